@@ -1,0 +1,66 @@
+"""The attack interface.
+
+An attack sees only what its threat model shares (:class:`AttackInput`): the intercepted update,
+the global model it was computed from, and the local training recipe the server configured. It
+returns reconstructed inputs and labels plus a trace (:class:`AttackResult`). Scoring against the
+ground truth is separate (``fedsim.metrics``) and is the only code that sees the truth.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import torch
+from torch import nn
+
+
+@dataclass
+class AttackInput:
+    """What a curious server holds when it attacks one client's update."""
+
+    model_fn: Callable[[], nn.Module]  # builds the architecture (fresh, untrained)
+    global_state: Mapping[str, torch.Tensor]  # the weights it sent this client (state_dict)
+    update: Mapping[str, torch.Tensor]  # returned weights - global weights (same keys)
+    recipe: Mapping[str, Any]  # lr, batch_size, local_steps or local_epochs (the configured recipe)
+    input_shape: Sequence[int]  # (C, H, W)
+    num_classes: int
+    num_examples: int  # as reported by the client (examples per round)
+    known_labels: torch.Tensor | None = None  # only for threat models that grant labels
+    device: torch.device = torch.device("cpu")
+    seed: int = 0  # the attacker's own randomness (initialisation)
+
+    def global_model(self) -> nn.Module:
+        m = self.model_fn()
+        m.load_state_dict({k: v.clone() for k, v in self.global_state.items()})
+        return m.to(self.device)
+
+    @property
+    def batch_size(self) -> int:
+        """Images to reconstruct: one local mini-batch."""
+        return int(min(self.recipe["batch_size"], self.num_examples))
+
+
+@dataclass
+class AttackResult:
+    inputs: torch.Tensor  # (B, C, H, W), values in the data range [0, 1]
+    labels: torch.Tensor  # (B,) int64
+    trace: dict[str, Any] = field(default_factory=dict)  # loss (list), iterations, seconds, converged_at, ...
+
+
+class Attack:
+    """Base class. Subclasses set ``name`` and take their hyper-parameters as keyword arguments."""
+
+    name: ClassVar[str] = ""
+
+    def run(self, inp: AttackInput) -> AttackResult:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+ATTACKS: dict[str, type[Attack]] = {}
+
+
+def register(cls: type[Attack]) -> type[Attack]:
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a non-empty `name`")
+    ATTACKS[cls.name] = cls
+    return cls

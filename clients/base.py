@@ -1,0 +1,177 @@
+"""The client defense interface and the pipeline that composes defenses in config order.
+
+A defense acts at the stage where it belongs (see ``fedsim.training.local_train``):
+
+1. ``compute_gradient``  - replaces how a mini-batch gradient is computed (per-sample clipping,
+   DP-SGD). At most one defense in a pipeline may implement it.
+2. ``transform_gradient`` - changes each mini-batch gradient before the SGD step (gradient dropout,
+   per-step noise).
+3. ``transform_update``   - changes the outgoing update (new weights - global weights) once per round
+   (additive noise, pruning, compression with error feedback, PLD, seed 000's slice perturbation).
+
+State that must survive between rounds (compression residuals, a FedKL key) lives in
+``ctx.state``, a dict of NumPy arrays that the ClientApp keeps in Flower's per-node ``Context.state``;
+it never leaves the client. Every defense reports what it did through ``metrics()``; the values are
+prefixed with the defense's position and name in the client's reply metrics.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class DefenseContext:
+    round: int
+    client_id: int
+    generator: torch.Generator  # seeded from (seed, round, client, position): reproducible randomness
+    param_names: tuple[str, ...]
+    recipe: Mapping[str, Any]
+    state: dict[str, np.ndarray] = field(default_factory=dict)  # persistent across rounds, client-only
+    device: torch.device = torch.device("cpu")
+    public_data: tuple[torch.Tensor, torch.Tensor] | None = None  # the public root split, when needed
+
+
+class Defense:
+    """Base class. Subclasses set ``name`` and accept their parameters as keyword arguments."""
+
+    name: ClassVar[str] = ""
+
+    def setup(self, model: nn.Module, ctx: DefenseContext) -> None:
+        """Called at the start of every round, after the global weights are loaded."""
+
+    def compute_gradient(self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
+                         ctx: DefenseContext) -> list[torch.Tensor] | None:
+        """Return the mini-batch gradient (one tensor per parameter) or None to use plain autograd."""
+        return None
+
+    def transform_gradient(self, grads: list[torch.Tensor], ctx: DefenseContext) -> list[torch.Tensor]:
+        return grads
+
+    def transform_update(self, update: list[torch.Tensor], ctx: DefenseContext) -> list[torch.Tensor]:
+        return update
+
+    def metrics(self) -> dict[str, float]:
+        """What this defense did in the last round (sparsity, noise scale, clipped fraction, ...)."""
+        return {}
+
+    def noise_variance(self) -> float | None:
+        """Per-entry variance of zero-mean noise this defense adds to the update, if it declares one
+        (server-side compensation uses it)."""
+        return None
+
+    def overrides_compute_gradient(self) -> bool:
+        return type(self).compute_gradient is not Defense.compute_gradient
+
+
+DEFENSES: dict[str, type[Defense]] = {}
+
+
+def register(cls: type[Defense]) -> type[Defense]:
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a non-empty `name`")
+    DEFENSES[cls.name] = cls
+    return cls
+
+
+class DefensePipeline:
+    """Defenses in config order; each stage calls them in that order."""
+
+    def __init__(self, defenses: Sequence[Defense]):
+        self.defenses = list(defenses)
+        owners = [d.name for d in self.defenses if d.overrides_compute_gradient()]
+        if len(owners) > 1:
+            raise ValueError(f"defenses: only one defense may compute gradients, got {owners}")
+
+    def __len__(self) -> int:
+        return len(self.defenses)
+
+    def _ctx(self, ctx: DefenseContext, i: int) -> DefenseContext:
+        prefix = f"{i}."
+        sub = {k[len(prefix):]: v for k, v in ctx.state.items() if k.startswith(prefix)}
+        return DefenseContext(ctx.round, ctx.client_id, ctx.generator, ctx.param_names, ctx.recipe, sub,
+                              ctx.device, ctx.public_data)
+
+    def run_round(self, ctx: DefenseContext) -> "_RoundRunner":
+        return _RoundRunner(self, ctx)
+
+    def noise_variance(self) -> float | None:
+        vs = [v for d in self.defenses if (v := d.noise_variance()) is not None]
+        return float(sum(vs)) if vs else None
+
+
+class _RoundRunner:
+    """Binds the pipeline to one round's context; keeps per-defense sub-states and writes them back."""
+
+    def __init__(self, pipe: DefensePipeline, ctx: DefenseContext):
+        self.pipe, self.ctx = pipe, ctx
+        self.subs = [pipe._ctx(ctx, i) for i in range(len(pipe.defenses))]
+
+    def setup(self, model: nn.Module) -> None:
+        for d, c in zip(self.pipe.defenses, self.subs):
+            d.setup(model, c)
+
+    def compute_gradient(self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor):
+        for d, c in zip(self.pipe.defenses, self.subs):
+            if d.overrides_compute_gradient():
+                return d.compute_gradient(model, loss_fn, x, y, c)
+        return None
+
+    def transform_gradient(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        for d, c in zip(self.pipe.defenses, self.subs):
+            grads = d.transform_gradient(grads, c)
+        return grads
+
+    def transform_update(self, update: list[torch.Tensor]) -> list[torch.Tensor]:
+        for d, c in zip(self.pipe.defenses, self.subs):
+            update = d.transform_update(update, c)
+        return update
+
+    def finish(self) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+        """New persistent state and the metrics of every defense."""
+        state: dict[str, np.ndarray] = {}
+        metrics: dict[str, float] = {}
+        for i, (d, c) in enumerate(zip(self.pipe.defenses, self.subs)):
+            state.update({f"{i}.{k}": np.asarray(v) for k, v in c.state.items()})
+            metrics.update({f"defense.{i}.{d.name}.{k}": float(v) for k, v in d.metrics().items()})
+        return state, metrics
+
+
+def defense_params(cls: type[Defense]) -> dict[str, Any]:
+    """Parameter names and defaults accepted by a defense (from its ``__init__`` signature)."""
+    sig = inspect.signature(cls.__init__)
+    return {n: p.default for n, p in list(sig.parameters.items())[1:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def build_pipeline(entries: Sequence[Mapping[str, Any]]) -> DefensePipeline:
+    """Instantiate ``[[defenses]]`` entries (dicts with ``name`` and parameters), validating each key."""
+    import clients.registry  # noqa: F401  (registers the built-in defenses)
+
+    defenses = []
+    for i, entry in enumerate(entries):
+        name = entry.get("name")
+        if name not in DEFENSES:
+            raise ValueError(f"defenses[{i}].name must be one of {sorted(DEFENSES)}, got {name!r}")
+        cls = DEFENSES[name]
+        allowed = defense_params(cls)
+        params = {k: v for k, v in entry.items() if k != "name"}
+        for k in params:
+            if k not in allowed:
+                raise ValueError(f"defenses[{i}].{k} is not a parameter of defense {name!r}; "
+                                 f"allowed: {sorted(allowed) or 'none'}")
+        missing = [k for k, v in allowed.items() if v is inspect.Parameter.empty and k not in params]
+        if missing:
+            raise ValueError(f"defenses[{i}] ({name}) needs {missing}")
+        try:
+            defenses.append(cls(**params))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"defenses[{i}] ({name}): {exc}") from exc
+    return DefensePipeline(defenses)

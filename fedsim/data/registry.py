@@ -1,0 +1,232 @@
+"""Dataset registry: each entry knows how to load itself and how to explain what is missing."""
+from __future__ import annotations
+
+import gzip
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+EMBEDDED = Path(__file__).with_name("fmnist_small.npz")
+DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
+FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+class DatasetUnavailable(RuntimeError):
+    """The dataset's files are not on this machine; the message says how to get them."""
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    x_root: torch.Tensor  # public "root" split held out from client data (seed 000)
+    y_root: torch.Tensor
+    num_classes: int
+    kind: str = "image"  # "image" (values in [0, 1]) or "tabular"
+    class_names: tuple[str, ...] = field(default=())
+
+    @property
+    def in_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def _images(x: np.ndarray) -> torch.Tensor:
+    """uint8 (N, H, W) or (N, H, W, C) -> float (N, C, H, W) in [0, 1]."""
+    t = torch.from_numpy(np.ascontiguousarray(x)).float().div_(255.0)
+    return t.unsqueeze(1) if t.ndim == 3 else t.permute(0, 3, 1, 2).contiguous()
+
+
+def _labels(y: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(y, dtype=np.int64))
+
+
+def _hold_out_root(x: np.ndarray, y: np.ndarray, root_size: int):
+    """Split a fixed (seed-0) random ``root_size`` subset off the training data."""
+    if root_size >= len(y):
+        raise ValueError(f"data.root_size={root_size} must be smaller than the training set ({len(y)})")
+    perm = np.random.default_rng(0).permutation(len(y))
+    r, t = perm[:root_size], perm[root_size:]
+    return x[t], y[t], x[r], y[r]
+
+
+FMNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt",
+                  "Sneaker", "Bag", "Ankle boot")
+
+
+def _load_fmnist_small(data_dir: str | None, download: bool, root_size: int) -> Dataset:
+    with np.load(EMBEDDED) as z:
+        return Dataset("fmnist-small", _images(z["x_train"]), _labels(z["y_train"]),
+                       _images(z["x_test"]), _labels(z["y_test"]),
+                       _images(z["x_root"][:root_size]), _labels(z["y_root"][:root_size]), 10,
+                       class_names=FMNIST_CLASSES)
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as fh:
+        data = fh.read()
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+
+
+def _find_fmnist(data_dir: str | None) -> Path | None:
+    candidates = []
+    if data_dir:
+        d = Path(data_dir)
+        candidates += [d, d / "fashion-mnist", d / "FashionMNIST" / "raw"]
+    candidates.append(DEBIAN_FMNIST)
+    for c in candidates:
+        if all((c / f).exists() or (c / (f + ".gz")).exists() for f in FMNIST_FILES):
+            return c
+    return None
+
+
+def _fmnist_hint(data_dir: str | None) -> str:
+    where = f" or in data.data_dir={data_dir!r}" if data_dir else ""
+    return (f"Fashion-MNIST IDX files ({', '.join(FMNIST_FILES)}, optionally .gz) were not found in "
+            f"{DEBIAN_FMNIST}{where}. Install them with `apt-get install dataset-fashion-mnist` or put "
+            f"the four files in a folder and set data.data_dir to it.")
+
+
+def _load_fmnist(data_dir: str | None, download: bool, root_size: int) -> Dataset:
+    d = _find_fmnist(data_dir)
+    if d is None:
+        raise DatasetUnavailable(_fmnist_hint(data_dir))
+
+    def read(f: str) -> np.ndarray:
+        p = d / f
+        return _read_idx(p if p.exists() else d / (f + ".gz"))
+
+    xtr, ytr, xte, yte = (read(f) for f in FMNIST_FILES)
+    xtr, ytr, xr, yr = _hold_out_root(xtr, ytr, root_size)
+    return Dataset("fmnist", _images(xtr), _labels(ytr), _images(xte), _labels(yte), _images(xr),
+                   _labels(yr), 10, class_names=FMNIST_CLASSES)
+
+
+_TV = {"mnist": ("MNIST", 10), "cifar10": ("CIFAR10", 10), "cifar100": ("CIFAR100", 100)}
+
+
+def _load_torchvision(name: str):
+    def load(data_dir: str | None, download: bool, root_size: int) -> Dataset:
+        import torchvision.datasets as tvd
+
+        cls_name, n_cls = _TV[name]
+        if not data_dir:
+            raise DatasetUnavailable(
+                f"dataset {name!r} is read through torchvision from a data directory: set data.data_dir "
+                f"to a folder holding torchvision's {cls_name} files, or to an empty folder together "
+                f"with data.download=true on a machine with internet access.")
+        cls = getattr(tvd, cls_name)
+        try:
+            tr = cls(data_dir, train=True, download=download)
+            te = cls(data_dir, train=False, download=download)
+        except RuntimeError as exc:  # torchvision: "Dataset not found. You can use download=True ..."
+            raise DatasetUnavailable(
+                f"dataset {name!r}: torchvision could not find {cls_name} in data.data_dir={data_dir!r} "
+                f"({exc}). Put the files there or set data.download=true where internet is available."
+            ) from exc
+        xtr, ytr = np.asarray(tr.data), np.asarray(tr.targets)
+        xte, yte = np.asarray(te.data), np.asarray(te.targets)
+        xtr, ytr, xr, yr = _hold_out_root(xtr, ytr, root_size)
+        return Dataset(name, _images(xtr), _labels(ytr), _images(xte), _labels(yte), _images(xr),
+                       _labels(yr), n_cls, class_names=tuple(getattr(tr, "classes", ())))
+
+    return load
+
+
+def _split_tabular(x: np.ndarray, y: np.ndarray, test_frac: float, root_size: int):
+    perm = np.random.default_rng(0).permutation(len(y))
+    n_test = int(round(len(y) * test_frac))
+    te, r, tr = perm[:n_test], perm[n_test:n_test + root_size], perm[n_test + root_size:]
+    return x[tr], y[tr], x[te], y[te], x[r], y[r]
+
+
+def _load_breast_cancer(data_dir: str | None, download: bool, root_size: int) -> Dataset:
+    from sklearn.datasets import load_breast_cancer
+
+    bunch = load_breast_cancer()
+    x = bunch.data.astype(np.float32)
+    xtr, ytr, xte, yte, xr, yr = _split_tabular(x, bunch.target, 0.2, min(root_size, 50))
+    mu, sd = xtr.mean(0), xtr.std(0) + 1e-8
+    f = lambda a: torch.from_numpy(((a - mu) / sd).astype(np.float32))  # noqa: E731
+    return Dataset("breast-cancer", f(xtr), _labels(ytr), f(xte), _labels(yte), f(xr), _labels(yr), 2,
+                   kind="tabular", class_names=tuple(bunch.target_names))
+
+
+def _load_faces(data_dir: str | None, download: bool, root_size: int) -> Dataset:
+    from skimage.data import lfw_subset
+
+    x = lfw_subset()  # (200, 25, 25) float in [0, 1]; first 100 faces, last 100 non-faces
+    y = np.array([1] * 100 + [0] * 100)
+    x = np.clip(np.round(x * 255), 0, 255).astype(np.uint8)
+    xtr, ytr, xte, yte, xr, yr = _split_tabular(x, y, 0.2, min(root_size, 20))
+    return Dataset("faces", _images(xtr), _labels(ytr), _images(xte), _labels(yte), _images(xr),
+                   _labels(yr), 2, class_names=("non-face", "face"))
+
+
+@dataclass(frozen=True)
+class DatasetEntry:
+    load: Callable[[str | None, bool, int], Dataset]
+    description: str
+    available: Callable[[str | None], tuple[bool, str]]
+
+
+def _always(_: str | None) -> tuple[bool, str]:
+    return True, "ships with fedsim or its dependencies"
+
+
+def _fmnist_available(data_dir: str | None) -> tuple[bool, str]:
+    d = _find_fmnist(data_dir)
+    return (True, f"found in {d}") if d else (False, _fmnist_hint(data_dir))
+
+
+def _tv_available(name: str):
+    def check(data_dir: str | None) -> tuple[bool, str]:
+        if not data_dir:
+            return False, "needs data.data_dir (torchvision files) or data.download=true with internet"
+        return True, f"will be read from {data_dir}"
+
+    return check
+
+
+DATASETS: dict[str, DatasetEntry] = {
+    "fmnist-small": DatasetEntry(_load_fmnist_small, "Fashion-MNIST subset embedded in fedsim "
+                                 "(2,000 train / 500 test / 200 public root, 28x28 grey, 10 classes)", _always),
+    "fmnist": DatasetEntry(_load_fmnist, "full Fashion-MNIST (60k/10k) from Debian's dataset-fashion-mnist "
+                           "or data.data_dir", _fmnist_available),
+    "mnist": DatasetEntry(_load_torchvision("mnist"), "MNIST via torchvision (data.data_dir)", _tv_available("mnist")),
+    "cifar10": DatasetEntry(_load_torchvision("cifar10"), "CIFAR-10 via torchvision (data.data_dir)",
+                            _tv_available("cifar10")),
+    "cifar100": DatasetEntry(_load_torchvision("cifar100"), "CIFAR-100 via torchvision (data.data_dir)",
+                             _tv_available("cifar100")),
+    "breast-cancer": DatasetEntry(_load_breast_cancer, "Wisconsin breast cancer, 569 x 30 tabular, 2 classes "
+                                  "(scikit-learn)", _always),
+    "faces": DatasetEntry(_load_faces, "scikit-image LFW subset: 200 25x25 grey crops, face / non-face",
+                          _always),
+}
+
+
+def dataset_status(data_dir: str | None = None) -> list[tuple[str, bool, str, str]]:
+    """(name, available, description, detail) for every registered dataset."""
+    return [(n, *e.available(data_dir)[:1], e.description, e.available(data_dir)[1]) for n, e in DATASETS.items()]
+
+
+@lru_cache(maxsize=8)
+def load_dataset(name: str, data_dir: str | None = None, download: bool = False,
+                 root_size: int = 100) -> Dataset:
+    """Load a registered dataset (cached per process: every client actor loads it once)."""
+    if name not in DATASETS:
+        raise ValueError(f"data.dataset must be one of {sorted(DATASETS)}, got {name!r}")
+    if data_dir is not None:
+        data_dir = os.path.expanduser(str(data_dir))
+    return DATASETS[name].load(data_dir, download, root_size)

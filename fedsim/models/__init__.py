@@ -1,0 +1,203 @@
+"""Model zoo used by the papers: DLG/CPL/GRNN LeNet, seed 000's ConvNet, CIFAR ResNets, ResNet-18, MLP.
+
+Every constructor takes the input shape and the number of classes, plus ``activation``
+(sigmoid / tanh / relu / leakyrelu) and ``norm`` (none / batch) where the papers vary them.
+Build by name with :func:`build_model`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "sigmoid": nn.Sigmoid,
+    "tanh": nn.Tanh,
+    "relu": nn.ReLU,
+    "leakyrelu": lambda: nn.LeakyReLU(0.2),
+}
+NORMS = ("none", "batch")
+
+
+def _act(name: str) -> nn.Module:
+    return ACTIVATIONS[name]()
+
+
+def _norm2d(norm: str, channels: int) -> nn.Module:
+    return nn.BatchNorm2d(channels) if norm == "batch" else nn.Identity()
+
+
+class LeNet(nn.Module):
+    """The LeNet of DLG (Zhu et al. 2019), used by iDLG, CPL and GRNN.
+
+    Three 5x5 convolutions (12 channels, strides 2, 2, 1) and one fully connected layer;
+    sigmoid activations by default, which makes it twice differentiable everywhere.
+    """
+
+    def __init__(self, in_shape: Sequence[int], num_classes: int, activation: str = "sigmoid",
+                 norm: str = "none", width: int = 12):
+        super().__init__()
+        c, h, w = in_shape
+        self.features = nn.Sequential(
+            nn.Conv2d(c, width, 5, padding=2, stride=2), _norm2d(norm, width), _act(activation),
+            nn.Conv2d(width, width, 5, padding=2, stride=2), _norm2d(norm, width), _act(activation),
+            nn.Conv2d(width, width, 5, padding=2, stride=1), _norm2d(norm, width), _act(activation),
+        )
+        with torch.no_grad():
+            n = self.features(torch.zeros(1, c, h, w)).numel()
+        self.fc = nn.Linear(n, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x).flatten(1))
+
+
+class ConvNet(nn.Module):
+    """Seed 000's ConvNet: eight 3x3 convolutions and one fully connected layer.
+
+    Channel plan (w, 2w, 2w, 4w, 4w, 4w, 4w, 4w) with max-pooling after convolutions 4, 6 and 8,
+    as in the ConvNet of Geiping et al. that seed 000 evaluates. ``width`` defaults to 16 so that
+    CPU simulations stay fast; the papers use 64.
+    """
+
+    def __init__(self, in_shape: Sequence[int], num_classes: int, activation: str = "relu",
+                 norm: str = "batch", width: int = 16):
+        super().__init__()
+        c, h, w = in_shape
+        plan = [w_ * width for w_ in (1, 2, 2, 4, 4, 4, 4, 4)]
+        layers: list[nn.Module] = []
+        prev = c
+        for i, ch in enumerate(plan):
+            layers += [nn.Conv2d(prev, ch, 3, padding=1), _norm2d(norm, ch), _act(activation)]
+            if i in (3, 5, 7):
+                layers.append(nn.MaxPool2d(2))
+            prev = ch
+        self.features = nn.Sequential(*layers)
+        with torch.no_grad():
+            n = self.features(torch.zeros(1, c, h, w)).numel()
+        self.fc = nn.Linear(n, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.features(x).flatten(1))
+
+
+class _BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int, activation: str, norm: str):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1, bias=norm == "none")
+        self.bn1 = _norm2d(norm, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=norm == "none")
+        self.bn2 = _norm2d(norm, cout)
+        self.act1 = _act(activation)
+        self.act2 = _act(activation)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=norm == "none"),
+                                          _norm2d(norm, cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.act1(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.act2(out + self.shortcut(x))
+
+
+class ResNet(nn.Module):
+    """Residual network for small images.
+
+    ``depth`` 20 or 32 gives the CIFAR ResNets of He et al. (three stages of 16/32/64 channels,
+    (depth-2)/6 blocks each); ``depth=18`` gives ResNet-18 (four stages of 64..512 channels,
+    two blocks each) with a 3x3 stem for 32x32 inputs.
+    """
+
+    def __init__(self, in_shape: Sequence[int], num_classes: int, depth: int = 20,
+                 activation: str = "relu", norm: str = "batch"):
+        super().__init__()
+        c = in_shape[0]
+        if depth == 18:
+            widths, blocks = (64, 128, 256, 512), (2, 2, 2, 2)
+        elif depth in (20, 32, 44, 56):
+            n = (depth - 2) // 6
+            widths, blocks = (16, 32, 64), (n, n, n)
+        else:
+            raise ValueError(f"ResNet depth must be 18, 20, 32, 44 or 56, got {depth}")
+        self.stem = nn.Sequential(nn.Conv2d(c, widths[0], 3, padding=1, bias=norm == "none"),
+                                  _norm2d(norm, widths[0]), _act(activation))
+        stages: list[nn.Module] = []
+        prev = widths[0]
+        for i, (wd, nb) in enumerate(zip(widths, blocks)):
+            for j in range(nb):
+                stride = 2 if (i > 0 and j == 0) else 1
+                stages.append(_BasicBlock(prev, wd, stride, activation, norm))
+                prev = wd
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(prev, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(self.stages(self.stem(x))).flatten(1))
+
+
+class MLP(nn.Module):
+    """Fully connected network for tabular data (and flattened images)."""
+
+    def __init__(self, in_shape: Sequence[int], num_classes: int, hidden: Sequence[int] = (64, 32),
+                 activation: str = "relu", norm: str = "none"):
+        super().__init__()
+        n_in = 1
+        for d in in_shape:
+            n_in *= int(d)
+        layers: list[nn.Module] = [nn.Flatten()]
+        prev = n_in
+        for h in hidden:
+            layers += [nn.Linear(prev, h)]
+            if norm == "batch":
+                layers.append(nn.BatchNorm1d(h))
+            layers.append(_act(activation))
+            prev = h
+        self.body = nn.Sequential(*layers)
+        self.fc = nn.Linear(prev, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.body(x))
+
+
+MODELS = ("lenet", "convnet", "resnet20", "resnet32", "resnet18", "mlp")
+
+
+def build_model(name: str, in_shape: Sequence[int], num_classes: int, *, activation: str | None = None,
+                norm: str | None = None, init: str = "default", width: int | None = None,
+                hidden: Sequence[int] | None = None) -> nn.Module:
+    """Build a model by name. ``activation``/``norm`` default to what the papers use for that model.
+
+    ``init="uniform"`` re-initialises every weight and bias from U(-0.5, 0.5), the initialisation DLG
+    uses to make its LeNet easy to invert; ``"default"`` keeps PyTorch's.
+    """
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if norm is not None and norm not in NORMS:
+        raise ValueError(f"model.norm must be one of {list(NORMS)}, got {norm!r}")
+    kw: dict = {}
+    if activation is not None:
+        kw["activation"] = activation
+    if norm is not None:
+        kw["norm"] = norm
+    image = len(in_shape) == 3
+    if name in ("lenet", "convnet", "resnet20", "resnet32", "resnet18") and not image:
+        raise ValueError(f"model.name {name!r} needs image data (C, H, W), got input shape {tuple(in_shape)}")
+    if name == "lenet":
+        model: nn.Module = LeNet(in_shape, num_classes, width=width or 12, **kw)
+    elif name == "convnet":
+        model = ConvNet(in_shape, num_classes, width=width or 16, **kw)
+    elif name in ("resnet20", "resnet32", "resnet18"):
+        model = ResNet(in_shape, num_classes, depth=int(name[6:]), **kw)
+    elif name == "mlp":
+        model = MLP(in_shape, num_classes, hidden=tuple(hidden) if hidden else (64, 32), **kw)
+    else:
+        raise ValueError(f"model.name must be one of {list(MODELS)}, got {name!r}")
+    if init == "uniform":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.uniform_(-0.5, 0.5)
+    elif init != "default":
+        raise ValueError(f"model.init must be 'default' or 'uniform', got {init!r}")
+    return model

@@ -1,0 +1,189 @@
+"""Local training, evaluation, seeding and the deterministic batch schedule.
+
+The batch schedule is a pure function of (seed, round, client): the client uses it to order its
+local mini-batches, and the curious server's *scorer* (never the attack) re-creates it to know which
+samples a victim trained on. Nothing travels from client to attacker but the update itself.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from clients.base import DefenseContext, DefensePipeline
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    """``auto`` picks CUDA when present, else CPU; ``cpu``/``cuda``/``cuda:N`` are taken as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available on this machine; use 'auto' or 'cpu'")
+    return dev
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed derived from integers (stable across processes and platforms)."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint32)
+               .astype(np.uint64).dot(np.array([1, 2**32], dtype=np.uint64)) & np.uint64(2**63 - 1))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """The local training recipe the server configures (and therefore knows)."""
+
+    lr: float
+    batch_size: int
+    local_steps: int | None = None  # exactly this many SGD steps (FedSGD: 1) ...
+    local_epochs: int | None = None  # ... or this many passes over the local data
+
+    def __post_init__(self):
+        if (self.local_steps is None) == (self.local_epochs is None):
+            raise ValueError("set exactly one of train.local_steps and train.local_epochs")
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> "Recipe":
+        steps, epochs = m.get("local_steps"), m.get("local_epochs")
+        return cls(float(m["lr"]), int(m["batch_size"]), int(steps) if steps not in (None, 0) else None,
+                   int(epochs) if epochs not in (None, 0) else None)
+
+    def to_mapping(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"lr": self.lr, "batch_size": self.batch_size}
+        if self.local_steps is not None:
+            d["local_steps"] = self.local_steps
+        else:
+            d["local_epochs"] = self.local_epochs
+        return d
+
+
+def batch_schedule(seed: int, round: int, client: int, n: int, recipe: Recipe) -> list[np.ndarray]:
+    """Positions (into the client's local data) of each local mini-batch, in training order.
+
+    ``local_steps`` mode draws full batches of ``min(batch_size, n)`` from successive shuffles
+    (drop-last), so every step sees the same batch size; ``local_epochs`` mode keeps the last
+    partial batch of each epoch, as a DataLoader would.
+    """
+    rng = np.random.default_rng(derive_seed(seed, round, client, 0xBA7C))
+    bs = min(recipe.batch_size, n)
+    batches: list[np.ndarray] = []
+    if recipe.local_steps is not None:
+        while len(batches) < recipe.local_steps:
+            perm = rng.permutation(n)
+            for k in range(n // bs):
+                batches.append(perm[k * bs:(k + 1) * bs])
+                if len(batches) == recipe.local_steps:
+                    break
+    else:
+        for _ in range(recipe.local_epochs or 0):
+            perm = rng.permutation(n)
+            batches.extend(perm[k:k + bs] for k in range(0, n, bs))
+    return batches
+
+
+def get_weights(model: nn.Module) -> list[np.ndarray]:
+    """All parameters and buffers (state_dict order) as NumPy arrays."""
+    return [v.detach().cpu().numpy().copy() for v in model.state_dict().values()]
+
+
+def set_weights(model: nn.Module, weights: Sequence[np.ndarray]) -> None:
+    sd = model.state_dict()
+    if len(weights) != len(sd):
+        raise ValueError(f"expected {len(sd)} arrays for this model, got {len(weights)}")
+    model.load_state_dict({k: torch.as_tensor(np.asarray(w)).reshape(v.shape).to(v.dtype)
+                           for (k, v), w in zip(sd.items(), weights)}, strict=True)
+
+
+def param_names(model: nn.Module) -> list[str]:
+    return list(model.state_dict().keys())
+
+
+@dataclass
+class TrainResult:
+    weights: list[np.ndarray]
+    num_examples: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    state: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Recipe, *, seed: int,
+                round: int, client: int, pipeline: DefensePipeline | None = None,
+                state: dict[str, np.ndarray] | None = None, device: torch.device | str = "cpu",
+                public_data: tuple[torch.Tensor, torch.Tensor] | None = None) -> TrainResult:
+    """Plain SGD on the client's data following :func:`batch_schedule`, with the defense pipeline.
+
+    The model must hold the global weights on entry. Returns the weights to send (global + the
+    possibly-defended update) and the training metrics.
+    """
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    model.to(device).train()
+    pipeline = pipeline or DefensePipeline([])
+    sd0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = tuple(param_names(model))
+    gen = torch.Generator(device="cpu").manual_seed(derive_seed(seed, round, client, 0xDEF))
+    ctx = DefenseContext(round, client, gen, names, recipe.to_mapping(), dict(state or {}), device, public_data)
+    runner = pipeline.run_round(ctx)
+    runner.setup(model)
+    schedule = batch_schedule(seed, round, client, len(y), recipe)
+    loss_fn = F.cross_entropy
+    total_loss, total_correct, seen = 0.0, 0, 0
+    for idx in schedule:
+        ti = torch.as_tensor(idx)
+        xb, yb = x[ti].to(device), y[ti].to(device)
+        grads = runner.compute_gradient(model, loss_fn, xb, yb)
+        with torch.no_grad():
+            out = model(xb) if grads is not None else None
+        if grads is None:
+            model.zero_grad(set_to_none=True)
+            out = model(xb)
+            loss = loss_fn(out, yb)
+            grads = list(torch.autograd.grad(loss, params))
+        else:
+            loss = loss_fn(out, yb)
+        grads = runner.transform_gradient(grads)
+        with torch.no_grad():
+            for p, g in zip(params, grads):
+                p.add_(g, alpha=-recipe.lr)
+        total_loss += float(loss.detach()) * len(idx)
+        total_correct += int((out.detach().argmax(1) == yb).sum())
+        seen += len(idx)
+    # update over the whole state dict (parameters and buffers, e.g. BatchNorm statistics)
+    sd1 = model.state_dict()
+    update = [(sd1[k].detach() - sd0[k]).float() for k in sd0]
+    update = runner.transform_update(update)
+    weights = [(sd0[k].float() + u.to(sd0[k].device)).to(sd0[k].dtype).cpu().numpy()
+               for k, u in zip(sd0, update)]
+    new_state, dmetrics = runner.finish()
+    metrics = {"train_loss": total_loss / max(seen, 1), "train_accuracy": total_correct / max(seen, 1),
+               "local_steps": float(len(schedule)), "train_seconds": time.perf_counter() - t0, **dmetrics}
+    return TrainResult(weights, len(y), metrics, new_state)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device | str = "cpu",
+             batch_size: int = 1000) -> tuple[float, float]:
+    """(loss, accuracy) of the model on (x, y)."""
+    device = torch.device(device)
+    model.to(device).eval()
+    total_loss, correct = 0.0, 0
+    for k in range(0, len(y), batch_size):
+        xb, yb = x[k:k + batch_size].to(device), y[k:k + batch_size].to(device)
+        out = model(xb)
+        total_loss += float(F.cross_entropy(out, yb, reduction="sum"))
+        correct += int((out.argmax(1) == yb).sum())
+    n = max(len(y), 1)
+    return total_loss / n, correct / n
