@@ -37,6 +37,7 @@ class DefenseContext:
     state: dict[str, np.ndarray] = field(default_factory=dict)  # persistent across rounds, client-only
     device: torch.device = torch.device("cpu")
     public_data: tuple[torch.Tensor, torch.Tensor] | None = None  # the public root split, when needed
+    num_examples: int = 0  # size of the client's local training set (DP-SGD's sample rate); 0 = unknown
 
 
 class Defense:
@@ -97,7 +98,7 @@ class DefensePipeline:
         prefix = f"{i}."
         sub = {k[len(prefix):]: v for k, v in ctx.state.items() if k.startswith(prefix)}
         return DefenseContext(ctx.round, ctx.client_id, ctx.generator, ctx.param_names, ctx.recipe, sub,
-                              ctx.device, ctx.public_data)
+                              ctx.device, ctx.public_data, ctx.num_examples)
 
     def run_round(self, ctx: DefenseContext) -> "_RoundRunner":
         return _RoundRunner(self, ctx)

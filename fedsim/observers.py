@@ -68,6 +68,9 @@ class Observer:
     def on_finish(self) -> dict[str, Any]:  # after the last round; returns items for summary.json
         return {}
 
+    def report_markdown(self) -> str:  # a section appended to report.md
+        return ""
+
 
 class UpdateNormObserver(Observer):
     """Writes the L2 norm of every client's update to ``updates.jsonl`` (proves the seam)."""

@@ -135,7 +135,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
     params = [p for p in model.parameters() if p.requires_grad]
     names = tuple(param_names(model))
     gen = torch.Generator(device="cpu").manual_seed(derive_seed(seed, round, client, 0xDEF))
-    ctx = DefenseContext(round, client, gen, names, recipe.to_mapping(), dict(state or {}), device, public_data)
+    ctx = DefenseContext(round, client, gen, names, recipe.to_mapping(), dict(state or {}), device, public_data,
+                         num_examples=len(y))
     runner = pipeline.run_round(ctx)
     runner.setup(model)
     schedule = batch_schedule(seed, round, client, len(y), recipe)

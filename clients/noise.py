@@ -1,0 +1,169 @@
+"""Additive noise on the outgoing update: Gaussian (seed 000's DP-G, seed 001's G-1e-k, seed 004's
+GradNoise) and Laplace (seed 000's DP-L, seed 001's L-1e-k).
+
+Both act in the ``transform_update`` stage, once per round, on the update (new weights - global
+weights). By default only the model's parameters are perturbed; BatchNorm running statistics are
+left alone unless ``include_buffers = true``, and integer buffers (``num_batches_tracked``) never get
+noise. Randomness comes from ``ctx.generator`` (reproducible per seed, round, client).
+
+This module also holds the small helpers the other update-stage defenses share (which entries of
+the state-dict-ordered update are parameters, floating buffers or integer buffers).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from clients.base import Defense, DefenseContext, register
+
+# --------------------------------------------------------------------------- shared helpers
+
+PARAM, BUFFER, INT = "param", "buffer", "int"
+
+
+def entry_kinds(model: nn.Module) -> dict[str, str]:
+    """Kind of every state-dict entry: trainable/frozen parameter, floating buffer or integer buffer."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    kinds: dict[str, str] = {}
+    for k, v in model.state_dict().items():
+        if k in params:
+            kinds[k] = PARAM
+        elif v.is_floating_point():
+            kinds[k] = BUFFER
+        else:
+            kinds[k] = INT
+    return kinds
+
+
+def guess_kind(name: str) -> str:
+    """Kind of a state-dict entry from its name alone (used when ``setup`` has not seen the model)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "num_batches_tracked":
+        return INT
+    if leaf in ("running_mean", "running_var"):
+        return BUFFER
+    return PARAM
+
+
+class UpdateDefense(Defense):
+    """Base for defenses that act on selected entries of the update (parameters, optionally buffers)."""
+
+    include_buffers: bool = False
+
+    def setup(self, model: nn.Module, ctx: DefenseContext) -> None:
+        self._kinds = entry_kinds(model)
+
+    def targets(self, ctx: DefenseContext, n: int) -> list[bool]:
+        """Which of the ``n`` update entries (``ctx.param_names`` order) this defense acts on."""
+        names = ctx.param_names
+        if len(names) != n:
+            raise ValueError(f"{self.name}: the update has {n} tensors but ctx.param_names has {len(names)}")
+        kinds = getattr(self, "_kinds", None) or {}
+        allowed = {PARAM, BUFFER} if self.include_buffers else {PARAM}
+        return [kinds.get(k, guess_kind(k)) in allowed for k in names]
+
+
+def check_fraction(name: str, value: float, *, upper_open: bool = False) -> float:
+    value = float(value)
+    if not (0.0 <= value < 1.0 if upper_open else 0.0 <= value <= 1.0):
+        raise ValueError(f"{name} must be in [0, 1{')' if upper_open else ']'}, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------- noise defenses
+
+
+class _AdditiveNoise(UpdateDefense):
+    std: float = 0.0
+
+    def _sample(self, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+        raise NotImplementedError
+
+    def transform_update(self, update: list[torch.Tensor], ctx: DefenseContext) -> list[torch.Tensor]:
+        mask = self.targets(ctx, len(update))
+        out, total, sq, count = [], 0.0, 0.0, 0
+        for u, on in zip(update, mask, strict=True):
+            if not on or self.std == 0.0:
+                out.append(u)
+                continue
+            noise = self._sample(u.shape, ctx.generator)
+            total += float(noise.sum())
+            sq += float((noise.double() ** 2).sum())
+            count += noise.numel()
+            out.append(u + noise.to(device=u.device, dtype=u.dtype))
+        self._count = count
+        mean = total / count if count else 0.0
+        self._empirical_std = math.sqrt(max(sq / count - mean * mean, 0.0)) if count else 0.0
+        return out
+
+    def noise_variance(self) -> float | None:
+        return self.std ** 2
+
+    def metrics(self) -> dict[str, float]:
+        return {"noise_std": self.std, "noise_variance": self.std ** 2,
+                "empirical_std": getattr(self, "_empirical_std", 0.0),
+                "noised_entries": float(getattr(self, "_count", 0))}
+
+
+@register
+class GaussianNoise(_AdditiveNoise):
+    """Zero-mean Gaussian noise on every parameter entry of the update.
+
+    Give exactly one of ``sigma`` (the standard deviation) or ``variance`` (= sigma**2; seeds 000 and
+    001 quote variances 1e-4 .. 1e-1, seed 004 quotes standard deviations).
+    """
+
+    name = "gaussian-noise"
+
+    def __init__(self, sigma: float | None = None, variance: float | None = None,
+                 include_buffers: bool = False):
+        if (sigma is None) == (variance is None):
+            raise ValueError("give exactly one of sigma (standard deviation) or variance")
+        if sigma is not None:
+            if float(sigma) < 0:
+                raise ValueError(f"sigma must be >= 0, got {sigma}")
+            self.std = float(sigma)
+        else:
+            if float(variance) < 0:
+                raise ValueError(f"variance must be >= 0, got {variance}")
+            self.std = math.sqrt(float(variance))
+        self.include_buffers = bool(include_buffers)
+
+    def _sample(self, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * self.std
+
+
+@register
+class LaplaceNoise(_AdditiveNoise):
+    """Zero-mean Laplace noise with scale ``b`` on every parameter entry of the update.
+
+    Give exactly one of ``scale`` (b; the density is exp(-|x|/b)/(2b)) or ``variance`` (= 2 b**2).
+    """
+
+    name = "laplace-noise"
+
+    def __init__(self, scale: float | None = None, variance: float | None = None,
+                 include_buffers: bool = False):
+        if (scale is None) == (variance is None):
+            raise ValueError("give exactly one of scale (Laplace b) or variance (= 2 b^2)")
+        if scale is not None:
+            if float(scale) < 0:
+                raise ValueError(f"scale must be >= 0, got {scale}")
+            self.scale = float(scale)
+        else:
+            if float(variance) < 0:
+                raise ValueError(f"variance must be >= 0, got {variance}")
+            self.scale = math.sqrt(float(variance) / 2.0)
+        self.std = math.sqrt(2.0) * self.scale
+        self.include_buffers = bool(include_buffers)
+
+    def _sample(self, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+        # the difference of two Exp(1) variables is Laplace(0, 1); 1 - U lies in (0, 1], so log is finite
+        e1 = -torch.log1p(-torch.rand(shape, generator=gen, dtype=torch.float64))
+        e2 = -torch.log1p(-torch.rand(shape, generator=gen, dtype=torch.float64))
+        return ((e1 - e2) * self.scale).float()
+
+    def metrics(self) -> dict[str, float]:
+        return {**super().metrics(), "scale": self.scale}

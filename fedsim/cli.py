@@ -1,0 +1,76 @@
+"""The ``fedsim`` command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from fedsim.config import load_config
+    from fedsim.runner import run_experiment
+
+    cfg = load_config(args.config, args.set or [])
+    if args.backend:
+        cfg["simulation"]["backend"] = args.backend
+    run_dir = run_experiment(cfg, out=args.out, progress=not args.quiet)
+    print(f"[fedsim] results in {run_dir}  (report: {Path(run_dir) / 'report.md'})")
+    return 0
+
+
+def _cmd_datasets(args: argparse.Namespace) -> int:
+    from fedsim.data import dataset_status
+
+    for name, ok, desc, detail in dataset_status(args.data_dir):
+        print(f"{'yes' if ok else 'no ':<4} {name:<14} {desc}")
+        if not ok or args.verbose:
+            print(f"     {detail}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedsim", description="Federated-learning privacy lab on Flower: "
+                                "simulations, curious-server gradient-leakage attacks and defenses.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="run an experiment config (Flower simulation on Ray)",
+                       description="Run a federated simulation from a TOML config and write a run folder "
+                                   "(config.toml, metrics.jsonl, summary.json, accuracy.png, report.md, ...).")
+    r.add_argument("config", help="TOML config, e.g. experiments/default.toml")
+    r.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
+                   help="override a config value (repeatable), e.g. --set federation.rounds=3")
+    r.add_argument("--out", help="run folder to write (default: <output.dir>/<name>-<timestamp>)")
+    r.add_argument("--backend", choices=("ray", "inprocess"), help="override simulation.backend")
+    r.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+    r.set_defaults(func=_cmd_run)
+
+    d = sub.add_parser("datasets", help="list datasets and whether they are available here",
+                       description="List the registered datasets, whether each can be loaded on this machine, "
+                                   "and how to get the missing ones.")
+    d.add_argument("--data-dir", help="also look in this folder")
+    d.add_argument("-v", "--verbose", action="store_true", help="show where each dataset is read from")
+    d.set_defaults(func=_cmd_datasets)
+
+    try:
+        from attacks.cli import add_attack_command
+
+        add_attack_command(sub)
+    except ImportError:
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fedsim.config import ConfigError
+    from fedsim.data import DatasetUnavailable
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, DatasetUnavailable) as exc:
+        print(f"fedsim: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

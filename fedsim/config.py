@@ -1,0 +1,288 @@
+"""Experiment configuration: TOML files, ``--set section.key=value`` overrides, validation.
+
+A config is a nested dict. :data:`SCHEMA` lists every fixed key with its type, default and allowed
+values; open sections (``strategy`` parameters, ``attack``, ``[[defenses]]``) are checked by the
+component that owns them (``validate`` calls them). Every bad value raises :class:`ConfigError`
+naming the key and what is allowed, before anything is written.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import tomllib
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or out of range; the message names the key."""
+
+
+@dataclass(frozen=True)
+class Field:
+    type: type | tuple[type, ...]
+    default: Any = None
+    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None
+    min: float | None = None
+    max: float | None = None
+    nullable: bool = False
+    help: str = ""
+
+    def allowed(self) -> Sequence[Any] | None:
+        return self.choices() if callable(self.choices) else self.choices
+
+
+def _datasets() -> list[str]:
+    from fedsim.data import DATASETS
+
+    return sorted(DATASETS)
+
+
+def _models() -> list[str]:
+    from fedsim.models import MODELS
+
+    return list(MODELS)
+
+
+def _strategies() -> list[str]:
+    from strategies import STRATEGIES
+
+    return sorted(STRATEGIES)
+
+
+NUM = (int, float)
+
+SCHEMA: dict[str, Field] = {
+    "name": Field(str, "run", help="run name (prefix of the run folder)"),
+    "seed": Field(int, 0, min=0, help="fixes partitions, initial weights, client sampling, local shuffles"),
+    "device": Field(str, "auto", help="auto (CUDA when present) | cpu | cuda | cuda:N"),
+    "federation.rounds": Field(int, 5, min=1),
+    "federation.num_clients": Field(int, 10, min=1),
+    "federation.clients_per_round": Field(int, 0, min=0, help="0 = all clients every round"),
+    "data.dataset": Field(str, "fmnist-small", choices=_datasets),
+    "data.partition": Field(str, "iid", choices=("iid", "dirichlet", "pathological")),
+    "data.alpha": Field(NUM, 0.5, min=1e-6, help="Dirichlet concentration"),
+    "data.classes_per_client": Field(int, 2, min=1, help="pathological: classes per client"),
+    "data.min_per_class": Field(int, 10, min=1, help="pathological: fewest samples per class"),
+    "data.max_per_class": Field(int, 50, min=1, help="pathological: most samples per class"),
+    "data.root_size": Field(int, 100, min=1, help="public root split held out from client data"),
+    "data.data_dir": Field(str, None, nullable=True, help="folder with dataset files"),
+    "data.download": Field(bool, False, help="let torchvision download (needs internet)"),
+    "model.name": Field(str, "lenet", choices=_models),
+    "model.activation": Field(str, None, nullable=True, choices=("sigmoid", "tanh", "relu", "leakyrelu")),
+    "model.norm": Field(str, None, nullable=True, choices=("none", "batch")),
+    "model.init": Field(str, "default", choices=("default", "uniform")),
+    "model.width": Field(int, None, nullable=True, min=1),
+    "model.hidden": Field(list, None, nullable=True),
+    "train.lr": Field(NUM, 0.1, min=1e-12),
+    "train.batch_size": Field(int, 32, min=1),
+    "train.local_steps": Field(int, None, nullable=True, min=1, help="SGD steps per round (FedSGD: 1)"),
+    "train.local_epochs": Field(int, None, nullable=True, min=1, help="local passes over the data"),
+    "strategy.name": Field(str, "fedavg", choices=_strategies),
+    "simulation.backend": Field(str, "ray", choices=("ray", "inprocess"),
+                                help="ray: Flower's simulation engine; inprocess: in-process grid (tests)"),
+    "simulation.num_cpus": Field(int, 1, min=1, help="CPUs per client actor"),
+    "simulation.num_gpus": Field(NUM, 0.0, min=0.0, help="GPUs per client actor (fractions allowed)"),
+    "simulation.ray_address": Field(str, None, nullable=True, help="join an existing Ray cluster"),
+    "output.dir": Field(str, "runs", help="parent folder of run folders"),
+    "output.observers": Field(list, ["update-norms"], help="observers at the interception point"),
+}
+OPEN_SECTIONS = ("strategy", "attack")  # extra keys checked by their owners
+LIST_SECTIONS = ("defenses",)
+
+
+def defaults() -> dict[str, Any]:
+    cfg: dict[str, Any] = {}
+    for key, f in SCHEMA.items():
+        _set(cfg, key, copy.deepcopy(f.default))
+    cfg["defenses"] = []
+    return cfg
+
+
+def _set(cfg: dict, dotted: str, value: Any) -> None:
+    *path, leaf = dotted.split(".")
+    node = cfg
+    for p in path:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{p} is a value, not a section: cannot set {dotted}")
+        node = nxt
+    node[leaf] = value
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and key.split(".")[0] not in ("attack",):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _merge(base: dict, over: Mapping[str, Any], where: str = "") -> None:
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(base.get(k), dict):
+            _merge(base[k], v, f"{where}{k}.")
+        else:
+            base[k] = copy.deepcopy(v)
+
+
+def parse_value(text: str) -> Any:
+    """A --set value: TOML syntax when it parses (numbers, booleans, lists, quoted strings), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(cfg: dict, overrides: Sequence[str]) -> None:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        if not key or key.startswith(".") or key.endswith("."):
+            raise ConfigError(f"--set expects section.key=value, got {item!r}")
+        if key.startswith("defenses"):
+            _set_defense(cfg, key, parse_value(text.strip()))
+        else:
+            _set(cfg, key, parse_value(text.strip()))
+
+
+def _set_defense(cfg: dict, key: str, value: Any) -> None:
+    # defenses.0.sigma=0.1  or defenses=[{name="prune", ratio=0.9}]
+    parts = key.split(".")
+    if len(parts) == 1:
+        cfg["defenses"] = value
+        return
+    try:
+        i = int(parts[1])
+        cfg["defenses"][i][".".join(parts[2:])] = value
+    except (ValueError, IndexError, TypeError):
+        raise ConfigError(f"--set {key}: use defenses.<index>.<param> with an existing index "
+                          f"(there are {len(cfg.get('defenses', []))} defenses)") from None
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Defaults <- TOML file <- overrides, then :func:`validate`. Returns the resolved config."""
+    cfg = defaults()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
+        _merge(cfg, data)
+    apply_overrides(cfg, overrides)
+    validate(cfg)
+    return cfg
+
+
+def _check_field(key: str, f: Field, v: Any) -> None:
+    if v is None:
+        if not f.nullable:
+            raise ConfigError(f"{key} must be set ({_typename(f.type)})")
+        return
+    types = f.type if isinstance(f.type, tuple) else (f.type,)
+    ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
+    if not ok:
+        raise ConfigError(f"{key} must be {_typename(f.type)}, got {v!r} ({type(v).__name__})")
+    choices = f.allowed()
+    if choices is not None and v not in choices:
+        raise ConfigError(f"{key} must be one of {list(choices)}, got {v!r}")
+    if f.min is not None and v < f.min:
+        raise ConfigError(f"{key} must be >= {f.min}, got {v!r}")
+    if f.max is not None and v > f.max:
+        raise ConfigError(f"{key} must be <= {f.max}, got {v!r}")
+
+
+def _typename(t: type | tuple[type, ...]) -> str:
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}
+    if isinstance(t, tuple):
+        return "a number" if set(t) == {int, float} else " or ".join(names.get(x, x.__name__) for x in t)
+    return names.get(t, t.__name__)
+
+
+def validate(cfg: dict[str, Any]) -> None:
+    """Check every key; raise ConfigError naming the first bad one."""
+    for section, _value in cfg.items():
+        known = section in LIST_SECTIONS or any(k == section or k.startswith(section + ".") for k in SCHEMA)
+        if not known and section not in OPEN_SECTIONS:
+            raise ConfigError(f"unknown config key {section!r}; allowed top-level keys: "
+                              f"{sorted({k.split('.')[0] for k in SCHEMA} | set(OPEN_SECTIONS) | set(LIST_SECTIONS))}")
+    flat = _flatten({k: v for k, v in cfg.items() if k not in LIST_SECTIONS})
+    for key, v in flat.items():
+        if key in SCHEMA:
+            _check_field(key, SCHEMA[key], v)
+        elif key.split(".")[0] not in OPEN_SECTIONS:
+            section = key.split(".")[0]
+            allowed = sorted(k for k in SCHEMA if k.startswith(section + "."))
+            raise ConfigError(f"unknown config key {key!r}; allowed in [{section}]: {allowed}")
+    for key, f in SCHEMA.items():
+        if key not in flat:
+            _check_field(key, f, None)
+    fed, train, data = cfg["federation"], cfg["train"], cfg["data"]
+    if fed["clients_per_round"] > fed["num_clients"]:
+        raise ConfigError(f"federation.clients_per_round ({fed['clients_per_round']}) must be <= "
+                          f"federation.num_clients ({fed['num_clients']})")
+    if (train["local_steps"] is None) == (train["local_epochs"] is None):
+        raise ConfigError("set exactly one of train.local_steps and train.local_epochs "
+                          f"(got local_steps={train['local_steps']}, local_epochs={train['local_epochs']})")
+    if data["min_per_class"] > data["max_per_class"]:
+        raise ConfigError(f"data.min_per_class ({data['min_per_class']}) must be <= data.max_per_class "
+                          f"({data['max_per_class']})")
+    if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
+        raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
+    if not isinstance(cfg.get("defenses", []), list) or not all(isinstance(d, dict) for d in cfg["defenses"]):
+        raise ConfigError("defenses must be a list of tables ([[defenses]] with name = ...)")
+    if cfg["device"] != "auto":
+        from fedsim.training import resolve_device
+
+        try:
+            resolve_device(cfg["device"])
+        except (ValueError, RuntimeError) as exc:
+            raise ConfigError(f"device: {exc}") from exc
+    from clients.base import build_pipeline
+
+    try:
+        build_pipeline(cfg["defenses"])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    from strategies import validate_strategy
+
+    try:
+        validate_strategy(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    if "attack" in cfg:
+        from attacks.curious import validate_attack_section
+
+        try:
+            validate_attack_section(cfg)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+
+
+def dump_toml(cfg: Mapping[str, Any]) -> str:
+    import tomli_w
+
+    def clean(x: Any) -> Any:  # TOML has no null: drop unset keys
+        if isinstance(x, Mapping):
+            return {k: clean(v) for k, v in x.items() if v is not None}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    return tomli_w.dumps(clean(cfg))
+
+
+def with_nulls(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Re-add keys dropped by :func:`dump_toml` (for configs read back from a run folder)."""
+    out = defaults()
+    _merge(out, cfg)
+    return out

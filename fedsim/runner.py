@@ -1,0 +1,114 @@
+"""Run an experiment: validate, prepare the run folder, start the federation, collect results.
+
+``backend = "ray"`` runs Flower's simulation engine (``flwr.simulation.run_simulation``) with one
+Ray actor per concurrently-running client; the ServerApp runs in a thread of this process, so the
+observers (and the curious server) run here. ``backend = "inprocess"`` uses
+:class:`fedsim.inprocess.InProcessGrid` (same ServerApp logic and ClientApp, no Ray).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+from fedsim.config import ConfigError, dump_toml
+from fedsim.observers import Observer, UpdateNormObserver
+from fedsim.reports import atomic_write_text, new_run_dir
+
+log = logging.getLogger("fedsim")
+
+OBSERVERS = {"update-norms": UpdateNormObserver}
+
+
+def build_observers(cfg: dict[str, Any]) -> list[Observer]:
+    obs: list[Observer] = []
+    for name in cfg["output"]["observers"]:
+        if name not in OBSERVERS:
+            raise ConfigError(f"output.observers: unknown observer {name!r}; allowed: {sorted(OBSERVERS)}")
+        obs.append(OBSERVERS[name]())
+    if cfg.get("attack", {}).get("enabled", bool(cfg.get("attack"))):
+        from attacks.curious import CuriousServer
+
+        obs.append(CuriousServer.from_config(cfg))
+    return obs
+
+
+def quiet_logs() -> None:
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    logging.getLogger("flwr").setLevel(logging.ERROR)  # Flower logs every round at INFO and deprecations
+    logging.getLogger("ray").setLevel(logging.ERROR)
+
+
+def _backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    sim = cfg["simulation"]
+    gpus = float(sim["num_gpus"])
+    if gpus == 0 and cfg["device"] != "cpu" and torch.cuda.is_available():
+        gpus = 0.25  # device=auto with a GPU present: share it between client actors
+    init: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "include_dashboard": False}
+    if sim.get("ray_address"):
+        init["address"] = sim["ray_address"]
+    return {"client_resources": {"num_cpus": int(sim["num_cpus"]), "num_gpus": gpus}, "init_args": init}
+
+
+def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers: Sequence[Observer] | None = None,
+                   progress: bool = True) -> Path:
+    """Run a validated config; returns the run folder (written only once the inputs are checked)."""
+    from fedsim.client_app import dataset_for, model_for
+
+    dataset_for(cfg)  # raises DatasetUnavailable (with instructions) before any folder is made
+    model_for(cfg)  # architecture/data mismatches surface here too
+    observers = build_observers(cfg) if observers is None else list(observers)
+    run_dir = Path(out) if out is not None else new_run_dir(cfg["output"]["dir"], cfg["name"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.toml", dump_toml(cfg))
+    quiet_logs()
+    try:
+        if cfg["simulation"]["backend"] == "inprocess":
+            _run_inprocess(cfg, run_dir, observers, progress)
+        else:
+            _run_ray(cfg, run_dir, observers, progress)
+    except BaseException:
+        if not (run_dir / "summary.json").exists() and out is None:
+            shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-way
+        raise
+    return run_dir
+
+
+def _run_inprocess(cfg, run_dir, observers, progress) -> None:
+    from fedsim.client_app import client_app
+    from fedsim.inprocess import InProcessGrid
+    from fedsim.server import run_server
+
+    run_server(InProcessGrid(client_app, cfg["federation"]["num_clients"]), cfg, run_dir, observers, progress)
+
+
+def _run_ray(cfg, run_dir, observers, progress) -> None:
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedsim.client_app import client_app
+    from fedsim.server import run_server
+
+    errors: list[BaseException] = []
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid, context) -> None:
+        try:
+            run_server(grid, cfg, run_dir, observers, progress)
+        except BaseException as exc:  # re-raised in the caller: run_simulation would only log it
+            errors.append(exc)
+            raise
+
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg["federation"]["num_clients"],
+                   backend_config=_backend_config(cfg))
+    if errors:
+        raise errors[0]
+    if not (run_dir / "summary.json").exists():
+        raise RuntimeError("the Flower simulation ended without finishing the run (see the log above)")
