@@ -2,3 +2,4 @@
 import clients.clipping  # noqa: F401
 import clients.noise  # noqa: F401
 import clients.pruning  # noqa: F401
+import clients.slicing  # noqa: F401

@@ -7,6 +7,7 @@ replies, as in Flower's engine.
 """
 from __future__ import annotations
 
+import copy
 import secrets
 import traceback
 import uuid
@@ -54,6 +55,9 @@ class InProcessGrid(Grid):
         ids = []
         for msg in messages:
             mid = uuid.uuid4().hex
+            # a copy, as a real transport would deliver: the server's records are never shared with a client
+            msg = Message(copy.deepcopy(msg.content), dst_node_id=msg.metadata.dst_node_id,
+                          message_type=msg.metadata.message_type, group_id=msg.metadata.group_id)
             msg.metadata.__dict__["_message_id"] = mid
             self.messages_sent.append(msg)
             ctx = self.contexts[msg.metadata.dst_node_id]

@@ -169,6 +169,9 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
     weights = [(sd0[k].float() + u.to(sd0[k].device)).to(sd0[k].dtype).cpu().numpy()
                for k, u in zip(sd0, update)]
     new_state, dmetrics = runner.finish()
+    declared = pipeline.noise_variance()  # per-entry variance of noise the defenses added (if declared)
+    if declared is not None:
+        dmetrics["noise_variance"] = declared
     metrics = {"train_loss": total_loss / max(seen, 1), "train_accuracy": total_correct / max(seen, 1),
                "local_steps": float(len(schedule)), "train_seconds": time.perf_counter() - t0, **dmetrics}
     return TrainResult(weights, len(y), metrics, new_state)

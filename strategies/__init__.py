@@ -22,6 +22,7 @@ def validate_strategy(cfg: Mapping[str, Any]) -> None:
     if name not in STRATEGIES:
         raise ValueError(f"strategy.name must be one of {sorted(STRATEGIES)}, got {name!r}")
     check_params(STRATEGIES[name], _params(cfg))
+    STRATEGIES[name](param_names=[], **_params(cfg))  # value checks raise ValueError naming the key
 
 
 def build_strategy(cfg: Mapping[str, Any], *, param_names: Sequence[str], observers=()) -> FedsimStrategy:

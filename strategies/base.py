@@ -120,7 +120,8 @@ class FedsimStrategy(FlowerFedAvg):
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        replies = list(replies)
+        # replies arrive in completion order; sort by partition so float sums (and runs) are reproducible
+        replies = sorted(replies, key=lambda m: self.node_partition.get(m.metadata.src_node_id, -1))
         valid, errors = self._check_and_log_replies(replies, is_train=True)
         for e in errors:
             self._record_failure(server_round, e, "train")

@@ -64,6 +64,9 @@ FMNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal
 
 def _load_fmnist_small(data_dir: str | None, download: bool, root_size: int) -> Dataset:
     with np.load(EMBEDDED) as z:
+        if root_size > len(z["y_root"]):
+            raise ValueError(f"data.root_size={root_size} is larger than fmnist-small's public root split "
+                             f"({len(z['y_root'])} images)")
         return Dataset("fmnist-small", _images(z["x_train"]), _labels(z["y_train"]),
                        _images(z["x_test"]), _labels(z["y_test"]),
                        _images(z["x_root"][:root_size]), _labels(z["y_root"][:root_size]), 10,
@@ -76,7 +79,7 @@ def _read_idx(path: Path) -> np.ndarray:
         data = fh.read()
     ndim = data[3]
     dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims)
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims).copy()
 
 
 def _find_fmnist(data_dir: str | None) -> Path | None:

@@ -1,0 +1,38 @@
+# fedsim: `make demo` sets up .venv and runs the curious-server demo; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# This machine's pip lies capped at torch 2.14.1 / torchvision 0.29.1 (on local disk); pyproject.toml uses
+# ranges. Elsewhere: make TORCH_SPEC="torch torchvision" ...
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
+STAMP := $(VENV)/.fedsim-installed
+
+.PHONY: setup demo test test-fast lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/fedsim run experiments/demo.toml --out runs/demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -m "not ray"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check fedsim strategies clients attacks experiments tests benchmarks scripts
+
+bench: $(STAMP)
+	$(PY) benchmarks/sim_overhead.py
+	$(PY) benchmarks/attack_speed.py
+
+clean:
+	rm -rf runs .pytest_cache

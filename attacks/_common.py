@@ -1,0 +1,256 @@
+"""Pieces shared by the optimisation-based attacks (DLG, iDLG, CPL, Inverting Gradients).
+
+* :func:`init_dummy` - dummy-data initialisations (random, Gaussian, CPL's patterned, dark/light, R/G/B);
+* :class:`Target` / :func:`prepare_target` - the observed update turned into the gradients to match,
+  with muted layers left out and optional per-layer weights;
+* :meth:`Target.distance` - the matching loss (single-step gradient or FedAvg-aware replay);
+* :func:`lbfgs_loop` - the L-BFGS loop of DLG and CPL with threshold-based termination;
+* parameter checks whose errors name the offending ``attack.<key>``.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .base import AttackInput, AttackResult
+from .gradients import (
+    _recipe_mapping,
+    assumed_schedule,
+    cross_entropy,
+    fedavg_distance,
+    gradient_distance,
+    layer_weights,
+    local_step_count,
+    select_names,
+    trainable_names,
+    update_to_gradient,
+)
+from .labels import infer_labels
+
+INITS = ("random", "randn", "patterned", "dark", "light", "R", "G", "B")
+
+
+# ---------------------------------------------------------------- parameter checks
+def check_int(key: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"attack.{key} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_float(key: str, value: Any, minimum: float = 0.0, allow_none: bool = False,
+                strict: bool = False) -> float | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < minimum or (strict and value == minimum):
+        op = ">" if strict else ">="
+        raise ValueError(f"attack.{key} must be a number {op} {minimum}{' or None' if allow_none else ''}, "
+                         f"got {value!r}")
+    return float(value)
+
+
+def check_choice(key: str, value: Any, choices: Sequence[Any]) -> Any:
+    if value not in choices:
+        raise ValueError(f"attack.{key} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def check_patterns(key: str, value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not all(isinstance(v, str) for v in value):
+        raise ValueError(f"attack.{key} must be a list of parameter-name patterns (fnmatch), got {value!r}")
+    return tuple(value)
+
+
+def check_layer_weights(key: str, value: Any) -> Any:
+    if value is None or value in ("linear", "exp", "norm"):
+        return value
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values())
+    elif isinstance(value, (list, tuple)):
+        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
+    else:
+        ok = False
+    if not ok:
+        raise ValueError(f"attack.{key} must be None, 'linear', 'exp', 'norm', a list of numbers or a mapping "
+                         f"from parameter-name pattern to number, got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------- initialisation
+def init_dummy(kind: str, shape: Sequence[int], gen: torch.Generator, pattern: int = 2) -> torch.Tensor:
+    """Dummy data of ``shape`` (B, C, H, W), drawn on the CPU from ``gen``.
+
+    ``random`` U(0, 1); ``randn`` N(0, 1) (DLG's original ``torch.randn``); ``patterned`` (CPL) a
+    random U(0, 1) tile of ``ceil(H/pattern) x ceil(W/pattern)`` repeated ``pattern x pattern`` times
+    (``pattern=2``: the tile is a quarter of the image, the example of seed 001); ``dark`` all 0;
+    ``light`` all 1; ``R``/``G``/``B`` that colour channel 1 and the others 0 (3 channels only).
+    """
+    B, C, H, W = (int(s) for s in shape)
+    if kind == "random":
+        return torch.rand((B, C, H, W), generator=gen)
+    if kind == "randn":
+        return torch.randn((B, C, H, W), generator=gen)
+    if kind == "patterned":
+        th, tw = math.ceil(H / pattern), math.ceil(W / pattern)
+        tile = torch.rand((B, C, th, tw), generator=gen)
+        return tile.repeat(1, 1, pattern, pattern)[:, :, :H, :W].contiguous()
+    if kind == "dark":
+        return torch.zeros((B, C, H, W))
+    if kind == "light":
+        return torch.ones((B, C, H, W))
+    if kind in ("R", "G", "B"):
+        if C != 3:
+            raise ValueError(f"attack.init={kind!r} is a colour initialisation and needs 3 channels, "
+                             f"the data have {C}")
+        x = torch.zeros((B, C, H, W))
+        x[:, "RGB".index(kind)] = 1.0
+        return x
+    raise ValueError(f"attack.init must be one of {list(INITS)}, got {kind!r}")
+
+
+# ---------------------------------------------------------------- target gradients
+@dataclass
+class Target:
+    """What an attack matches: the victim's (pseudo-)gradient for the un-muted parameters."""
+
+    model: nn.Module  # the global model, train mode, on the attack device
+    names: list[str]  # every trainable parameter
+    matched: list[str]  # the un-muted ones, in model order
+    grads: dict[str, torch.Tensor]  # pseudo-gradient -update / (lr * steps) for every trainable name
+    update: dict[str, torch.Tensor]  # the observed update for every trainable name
+    recipe: dict[str, Any]
+    steps: int
+    weights: list[float] | None  # per matched tensor, or None
+
+    @property
+    def matched_grads(self) -> list[torch.Tensor]:
+        return [self.grads[n] for n in self.matched]
+
+    def params(self, names: Sequence[str] | None = None) -> list[torch.Tensor]:
+        p = dict(self.model.named_parameters())
+        return [p[n] for n in (names if names is not None else self.matched)]
+
+    def dummy_gradients(self, x: torch.Tensor, y: torch.Tensor,
+                        create_graph: bool = True) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Gradients of the matched parameters for dummy data (and the logits)."""
+        out = self.model(x)
+        loss = cross_entropy(out, y)
+        grads = torch.autograd.grad(loss, self.params(), create_graph=create_graph)
+        return list(grads), out
+
+    def distance(self, x: torch.Tensor, y: torch.Tensor, metric: str = "l2",
+                 fedavg: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Matching loss for dummy data ``x`` with labels ``y`` (int64 or probability rows).
+
+        ``fedavg=False``: one gradient of ``(x, y)`` against the pseudo-gradient. ``fedavg=True``: the
+        recipe's local SGD steps are replayed on ``(x, y)`` (``x`` is then the whole candidate local
+        set) and the simulated update is compared with the observed one, both scaled to
+        pseudo-gradients. Returns the distance and, in single-step mode, the logits.
+        """
+        if not fedavg:
+            grads, out = self.dummy_gradients(x, y)
+            return gradient_distance(grads, self.matched_grads, metric, self.weights), out
+        schedule = assumed_schedule(len(x), self.recipe)
+        return fedavg_distance(self.model, x, y, self.update, self.recipe, names=self.matched, metric=metric,
+                               weights=self.weights, schedule=schedule), None
+
+    def infer_labels(self, batch_size: int, input_shape: Sequence[int] | None = None,
+                     gen: torch.Generator | None = None) -> torch.Tensor:
+        return infer_labels(self.model, self.grads, batch_size, input_shape=input_shape, gen=gen)
+
+
+def prepare_target(inp: AttackInput, muted: Sequence[str] = (), weights: Any = None) -> Target:
+    model = inp.global_model()
+    model.train()  # the client trains in train mode (BatchNorm uses batch statistics)
+    names = trainable_names(model)
+    matched = select_names(names, muted)
+    recipe = dict(_recipe_mapping(inp.recipe))
+    steps = local_step_count(recipe, inp.num_examples)
+    grads = {n: g.to(inp.device) for n, g in
+             update_to_gradient(inp.update, recipe, names=names, num_examples=inp.num_examples).items()}
+    update = {n: inp.update[n].detach().float().to(inp.device) for n in names}
+    return Target(model, names, matched, grads, update, recipe, steps, layer_weights(weights, matched, grads))
+
+
+def choose_labels(mode: str, target: Target, inp: AttackInput, batch_size: int) -> torch.Tensor:
+    """``idlg``: inferred from the gradient; ``known``: the threat model's ``known_labels``."""
+    if mode == "known":
+        if inp.known_labels is None:
+            raise ValueError("attack.labels='known' but this threat model grants no labels")
+        y = torch.as_tensor(inp.known_labels, dtype=torch.int64).flatten()
+        if len(y) != batch_size:
+            raise ValueError(f"known_labels has {len(y)} entries for a batch of {batch_size}")
+        return y.to(inp.device)
+    return target.infer_labels(batch_size, inp.input_shape, generator(inp, 0x1AB)).to(inp.device)
+
+
+def generator(inp: AttackInput, salt: int = 0) -> torch.Generator:
+    return torch.Generator(device="cpu").manual_seed((int(inp.seed) * 1_000_003 + salt) % (2**63))
+
+
+# ---------------------------------------------------------------- optimisation
+def lbfgs_loop(variables: list[torch.Tensor], objective: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+               iterations: int, history: int = 100, lr: float = 1.0, line_search: str | None = None,
+               threshold: float | None = None, stop_at_threshold: bool = False) -> dict[str, Any]:
+    """Minimise ``objective`` (returning (loss, gradient distance)) over ``variables`` with L-BFGS.
+
+    One iteration is one L-BFGS step (``max_iter=1``: one evaluation of the objective without a line
+    search, several with ``line_search="strong_wolfe"``). ``loss[t]`` is the objective at the ``t``-th iterate; ``converged_at`` is the first
+    ``t`` whose gradient distance is below ``threshold``. On exit the variables hold the iterate with
+    the lowest loss seen (the converged one when stopping at the threshold); a non-finite loss stops
+    the loop (``diverged``).
+    """
+    opt = torch.optim.LBFGS(variables, lr=lr, max_iter=1, history_size=history, line_search_fn=line_search,
+                            tolerance_grad=0.0, tolerance_change=0.0)
+    losses: list[float] = []
+    state: dict[str, Any] = {}
+
+    def closure():
+        opt.zero_grad(set_to_none=True)
+        loss, dist = objective()
+        # gradients of the optimised variables only (backward() would also fill the model's parameters)
+        for v, g in zip(variables, torch.autograd.grad(loss, variables)):
+            v.grad = g
+        if "loss" not in state:  # the first evaluation of a step is at its starting iterate
+            state["dist"] = float(dist.detach())
+            state["loss"] = float(loss.detach())
+        return loss
+
+    best, best_loss = [v.detach().clone() for v in variables], math.inf
+    converged_at, diverged = None, False
+    for it in range(iterations):
+        snapshot = [v.detach().clone() for v in variables]
+        state.clear()
+        opt.step(closure)
+        loss = state["loss"]
+        if not math.isfinite(loss):
+            diverged = True
+            break
+        losses.append(loss)
+        if loss < best_loss:
+            best, best_loss = snapshot, loss
+        if threshold is not None and converged_at is None and state["dist"] < threshold:
+            converged_at = it
+            if stop_at_threshold:
+                best = snapshot
+                break
+    with torch.no_grad():
+        for v, b in zip(variables, best):
+            v.copy_(b)
+    return {"loss": losses, "iterations": len(losses), "converged_at": converged_at, "diverged": diverged}
+
+
+def finish(x: torch.Tensor, labels: torch.Tensor, trace: dict[str, Any], t0: float) -> AttackResult:
+    trace = dict(trace)
+    trace["seconds"] = time.perf_counter() - t0
+    trace.setdefault("converged_at", None)
+    return AttackResult(x.detach().clamp(0, 1).cpu().float(), labels.detach().cpu().to(torch.int64), trace)

@@ -1,0 +1,85 @@
+"""Flower app components for ``flwr run .`` (see ``[tool.flwr.app.components]`` in pyproject.toml).
+
+``fedsim run`` is the primary entry point; this module lets Flower users start the same ServerApp and
+ClientApp with Flower's own tooling (commands in ``docs/flwr-run.md``). The run config keys
+(``[tool.flwr.app.config]``, override with ``flwr run . --run-config 'key="value" ...'``):
+
+* ``config``: path of a fedsim TOML config (default ``experiments/default.toml``),
+* ``overrides``: ``;``-separated ``section.key=value`` overrides,
+* ``out``: run folder (default: a new folder under ``output.dir``).
+
+Flower runs the ServerApp in a process of its own whose working directory is whatever directory the
+local SuperLink was first started from, so relative paths in ``config``, ``out`` and ``output.dir``
+are resolved against the fedsim project root (the checkout holding the installed ``fedsim``
+package), not against the working directory. ``config`` falls back to the copy inside the app
+bundle (FAB) when the project root has no such file. Absolute paths are used as they are.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from fedsim.client_app import client_app as _client_app
+
+# The ClientApp component. A plain assignment (not only an import) because `flwr run` checks that
+# the attribute named in `[tool.flwr.app.components]` is assigned in this module's source.
+client_app = _client_app
+
+server_app = ServerApp()
+
+
+def project_root() -> Path:
+    """The checkout that holds the imported ``fedsim`` package, or the working directory."""
+    import fedsim
+
+    root = Path(fedsim.__file__).resolve().parents[1]
+    return root if (root / "pyproject.toml").is_file() else Path.cwd()
+
+
+def resolve_config_path(path: str, root: Path, app_dir: Path | None = None) -> Path:
+    """``path`` as is when absolute, else under ``root``, else under ``app_dir`` (the FAB copy)."""
+    p = Path(path).expanduser()
+    if p.is_absolute():
+        return p
+    for base in (root, app_dir):
+        if base is not None and (base / p).is_file():
+            return base / p
+    return root / p  # let load_config report the missing file with a full path
+
+
+def _app_dir() -> Path | None:
+    """The unpacked FAB (Flower puts it first on ``sys.path`` before loading the app)."""
+    import sys
+
+    for entry in sys.path:
+        p = Path(entry) if entry else None
+        if p is not None and p.parent.name == "apps" and (p / "pyproject.toml").is_file():
+            return p  # $FLWR_HOME/apps/<publisher>.<name>.<version>.<hash>
+    return None
+
+
+@server_app.main()
+def main(grid: Grid, context: Context) -> None:
+    from fedsim.config import dump_toml, load_config
+    from fedsim.reports import atomic_write_text, new_run_dir
+    from fedsim.runner import build_observers, quiet_logs
+    from fedsim.server import run_server
+
+    quiet_logs()
+    root = project_root()
+    rc = context.run_config
+    overrides = [s.strip() for s in str(rc.get("overrides", "")).split(";") if s.strip()]
+    config_path = resolve_config_path(str(rc.get("config") or "experiments/default.toml"), root, _app_dir())
+    cfg = load_config(str(config_path), overrides)
+    if rc.get("out"):
+        out = Path(str(rc["out"])).expanduser()
+        out = out if out.is_absolute() else root / out
+    else:
+        parent = Path(str(cfg["output"]["dir"])).expanduser()
+        out = new_run_dir(parent if parent.is_absolute() else root / parent, cfg["name"])
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(out / "config.toml", dump_toml(cfg))
+    print(f"[fedsim] run folder: {out}", flush=True)
+    run_server(grid, cfg, out, build_observers(cfg))

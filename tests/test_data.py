@@ -1,0 +1,240 @@
+"""Datasets and partitioners."""
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+
+from fedsim.data import DATASETS, DatasetUnavailable, load_dataset, partition
+from fedsim.data import registry as reg
+
+# a label vector with a known, balanced class structure (like fmnist-small's training set)
+LABELS = np.repeat(np.arange(10), 200)
+
+
+def _assert_disjoint_cover(parts, n, cover=True):
+    allidx = np.concatenate(parts)
+    assert len(np.unique(allidx)) == len(allidx), "a sample is given to two clients"
+    assert allidx.min() >= 0 and allidx.max() < n
+    if cover:
+        assert len(allidx) == n and set(allidx.tolist()) == set(range(n))
+
+
+# ------------------------------------------------------------------------------------------- IID
+@pytest.mark.parametrize("n,k", [(2000, 10), (2000, 7), (101, 4), (10, 10)])
+def test_iid_equal_disjoint_cover(n, k):
+    labels = LABELS[:n] if n <= len(LABELS) else np.arange(n) % 10
+    parts = partition(labels, k, "iid", seed=3)
+    assert len(parts) == k
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1
+    _assert_disjoint_cover(parts, n)
+
+
+def test_iid_is_shuffled():
+    parts = partition(LABELS, 10, "iid", seed=0)
+    # a shuffled deal gives every client several classes, not one contiguous block
+    assert all(len(np.unique(LABELS[p])) > 5 for p in parts)
+
+
+# ------------------------------------------------------------------------------------- Dirichlet
+def _mean_classes(parts, labels, min_share=0.05):
+    """Mean number of classes making up at least ``min_share`` of a client's data."""
+    out = []
+    for p in parts:
+        counts = np.bincount(labels[p], minlength=10)
+        out.append(int(np.sum(counts >= min_share * len(p))))
+    return float(np.mean(out))
+
+
+@pytest.mark.parametrize("alpha", [0.1, 0.5, 100.0])
+def test_dirichlet_disjoint_cover_min_size(alpha):
+    parts = partition(LABELS, 20, "dirichlet", seed=1, alpha=alpha)
+    assert len(parts) == 20
+    _assert_disjoint_cover(parts, len(LABELS))
+    assert min(len(p) for p in parts) >= 1
+
+
+def test_dirichlet_min_size_is_enforced():
+    from fedsim.data.partition import dirichlet
+
+    free = [partition(LABELS, 10, "dirichlet", seed=s, alpha=0.5) for s in range(5)]
+    held = [dirichlet(LABELS, 10, np.random.default_rng(s), alpha=0.5, min_size=100) for s in range(5)]
+    # without the constraint some client gets fewer than 100 samples: the redraw does something
+    assert min(min(len(p) for p in ps) for ps in free) < 100
+    for ps in held:
+        assert min(len(p) for p in ps) >= 100
+        _assert_disjoint_cover(ps, len(LABELS))
+    with pytest.raises(ValueError, match="could not give each"):
+        dirichlet(LABELS, 20, np.random.default_rng(0), alpha=0.01, min_size=150, max_tries=3)
+
+
+def test_dirichlet_smaller_alpha_more_skew():
+    skew = {a: np.mean([_mean_classes(partition(LABELS, 10, "dirichlet", seed=s, alpha=a), LABELS)
+                        for s in range(5)]) for a in (0.05, 0.5, 100.0)}
+    assert skew[0.05] < skew[0.5] < skew[100.0]
+    iid = _mean_classes(partition(LABELS, 10, "iid", seed=0), LABELS)
+    assert skew[100.0] == pytest.approx(iid, abs=0.5)  # large alpha ~ IID
+
+
+def test_dirichlet_rejects_bad_alpha():
+    with pytest.raises(ValueError, match="data.alpha"):
+        partition(LABELS, 5, "dirichlet", alpha=0.0)
+
+
+# ---------------------------------------------------------------------------------- pathological
+@pytest.mark.parametrize("k,a,b", [(2, 10, 50), (1, 5, 5), (3, 1, 20)])
+def test_pathological_k_classes_a_to_b_each(k, a, b):
+    parts = partition(LABELS, 12, "pathological", seed=4, classes_per_client=k, min_per_class=a,
+                      max_per_class=b)
+    assert len(parts) == 12
+    _assert_disjoint_cover(parts, len(LABELS), cover=False)
+    for p in parts:
+        counts = np.bincount(LABELS[p], minlength=10)
+        present = counts[counts > 0]
+        assert len(present) == k
+        assert present.min() >= a and present.max() <= b
+    if a < b:  # sizes actually vary within [a, b]
+        all_counts = np.concatenate([np.bincount(LABELS[p])[np.bincount(LABELS[p]) > 0] for p in parts])
+        assert len(np.unique(all_counts)) > 1
+
+
+def test_pathological_errors():
+    with pytest.raises(ValueError, match="classes_per_client"):
+        partition(LABELS, 3, "pathological", classes_per_client=11)
+    with pytest.raises(ValueError, match="min_per_class"):
+        partition(LABELS, 3, "pathological", min_per_class=9, max_per_class=5)
+    with pytest.raises(ValueError, match="ran out of class"):
+        partition(LABELS, 50, "pathological", classes_per_client=10, min_per_class=100, max_per_class=100)
+
+
+def test_partition_errors_name_keys():
+    with pytest.raises(ValueError, match="data.partition"):
+        partition(LABELS, 3, "nope")
+    with pytest.raises(ValueError, match="federation.num_clients"):
+        partition(LABELS, 0, "iid")
+    with pytest.raises(ValueError, match="federation.num_clients"):
+        partition(LABELS[:5], 6, "iid")
+
+
+# ----------------------------------------------------------------------------------- determinism
+@pytest.mark.parametrize("scheme,params", [("iid", {}), ("dirichlet", {"alpha": 0.3}),
+                                           ("pathological", {"classes_per_client": 2})])
+def test_partition_deterministic_in_seed(scheme, params):
+    a = partition(LABELS, 8, scheme, seed=7, **params)
+    b = partition(LABELS, 8, scheme, seed=7, **params)
+    c = partition(LABELS, 8, scheme, seed=8, **params)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert any(len(x) != len(y) or not np.array_equal(x, y) for x, y in zip(a, c))
+
+
+def test_partition_does_not_use_global_rng():
+    np.random.seed(0)
+    a = partition(LABELS, 5, "iid", seed=1)
+    np.random.seed(123)
+    b = partition(LABELS, 5, "iid", seed=1)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+# -------------------------------------------------------------------------------------- datasets
+def test_fmnist_small_shapes_ranges_balance():
+    ds = load_dataset("fmnist-small")
+    assert ds.name == "fmnist-small" and ds.kind == "image" and ds.num_classes == 10
+    assert ds.x_train.shape == (2000, 1, 28, 28) and ds.y_train.shape == (2000,)
+    assert ds.x_test.shape == (500, 1, 28, 28) and ds.y_test.shape == (500,)
+    assert ds.x_root.shape == (100, 1, 28, 28) and ds.y_root.shape == (100,)
+    assert ds.in_shape == (1, 28, 28)
+    for x in (ds.x_train, ds.x_test, ds.x_root):
+        assert x.dtype == torch.float32
+        assert float(x.min()) >= 0.0 and float(x.max()) <= 1.0
+        assert float(x.max()) > 0.9 and float(x.min()) < 0.1  # the full range is used (not left in 0..255)
+    assert ds.y_train.dtype == torch.int64
+    assert torch.bincount(ds.y_train, minlength=10).tolist() == [200] * 10
+    assert torch.bincount(ds.y_test, minlength=10).tolist() == [50] * 10
+    assert len(ds.class_names) == 10
+
+
+def test_fmnist_small_root_size_and_no_overlap():
+    ds = load_dataset("fmnist-small", root_size=30)
+    assert ds.x_root.shape[0] == 30
+    # the public root split is not part of the clients' training data
+    train = {bytes(x.numpy().tobytes()) for x in ds.x_train}
+    assert not any(bytes(x.numpy().tobytes()) in train for x in ds.x_root)
+
+
+def test_fmnist_missing_says_how_to_get_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(reg, "DEBIAN_FMNIST", tmp_path / "nowhere")
+    with pytest.raises(DatasetUnavailable) as exc:
+        load_dataset.__wrapped__("fmnist")  # bypass the per-process cache
+    msg = str(exc.value)
+    assert "apt-get install dataset-fashion-mnist" in msg and "data.data_dir" in msg
+    ok, detail = DATASETS["fmnist"].available(None)
+    assert not ok and "apt-get install dataset-fashion-mnist" in detail
+    with pytest.raises(DatasetUnavailable, match="data.data_dir"):
+        load_dataset.__wrapped__("fmnist", str(tmp_path / "empty"))
+
+
+def _write_idx(path, arr: np.ndarray) -> None:
+    header = bytes([0, 0, 8, arr.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in arr.shape)
+    with gzip.open(path, "wb") as fh:
+        fh.write(header + arr.astype(np.uint8).tobytes())
+
+
+def test_fmnist_reads_idx_files_from_data_dir(monkeypatch, tmp_path):
+    monkeypatch.setattr(reg, "DEBIAN_FMNIST", tmp_path / "nowhere")
+    rng = np.random.default_rng(0)
+    xtr, ytr = rng.integers(0, 256, (60, 28, 28)), np.arange(60) % 10
+    xte, yte = rng.integers(0, 256, (20, 28, 28)), np.arange(20) % 10
+    d = tmp_path / "fm"
+    d.mkdir()
+    for name, arr in zip(reg.FMNIST_FILES, (xtr, ytr, xte, yte)):
+        _write_idx(d / f"{name}.gz", arr)
+    assert DATASETS["fmnist"].available(str(d))[0]
+    ds = load_dataset.__wrapped__("fmnist", str(d), False, 10)
+    assert ds.x_train.shape == (50, 1, 28, 28) and ds.x_root.shape == (10, 1, 28, 28)
+    assert ds.x_test.shape == (20, 1, 28, 28)
+    assert torch.equal(ds.y_test, torch.as_tensor(yte))
+    assert torch.allclose(ds.x_test[:, 0], torch.as_tensor(xte / 255.0, dtype=torch.float32))
+    with pytest.raises(ValueError, match="root_size"):
+        load_dataset.__wrapped__("fmnist", str(d), False, 60)
+
+
+@pytest.mark.parametrize("name", ["cifar10", "cifar100", "mnist"])
+def test_torchvision_datasets_need_data_dir(name):
+    with pytest.raises(DatasetUnavailable, match="data.data_dir"):
+        load_dataset(name)
+    ok, detail = DATASETS[name].available(None)
+    assert not ok and "data.data_dir" in detail
+
+
+def test_cifar10_empty_data_dir_explains(tmp_path):
+    with pytest.raises(DatasetUnavailable, match="data.data_dir"):
+        load_dataset("cifar10", str(tmp_path))
+
+
+def test_breast_cancer_shapes_and_standardised():
+    ds = load_dataset("breast-cancer")
+    assert ds.kind == "tabular" and ds.num_classes == 2 and ds.in_shape == (30,)
+    n = len(ds.y_train) + len(ds.y_test) + len(ds.y_root)
+    assert n == 569
+    assert len(ds.y_test) == round(0.2 * 569)
+    assert ds.x_test.shape == (len(ds.y_test), 30) and ds.x_root.shape == (len(ds.y_root), 30)
+    assert torch.allclose(ds.x_train.mean(0), torch.zeros(30), atol=1e-4)
+    assert torch.allclose(ds.x_train.std(0, unbiased=False), torch.ones(30), atol=1e-3)
+    assert set(ds.y_train.unique().tolist()) == {0, 1}
+
+
+def test_faces_shapes():
+    ds = load_dataset("faces")
+    assert ds.kind == "image" and ds.num_classes == 2 and ds.in_shape == (1, 25, 25)
+    assert len(ds.y_train) + len(ds.y_test) + len(ds.y_root) == 200
+    assert ds.x_test.shape[1:] == (1, 25, 25)
+    assert float(ds.x_train.min()) >= 0 and float(ds.x_train.max()) <= 1
+    assert set(ds.y_train.unique().tolist()) == {0, 1}
+
+
+def test_unknown_dataset_names_key():
+    with pytest.raises(ValueError, match="data.dataset"):
+        load_dataset("nope")
