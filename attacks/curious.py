@@ -23,6 +23,8 @@ Config (``[attack]``)::
     ssim_threshold = 0.5         # content success (ASR_c) needs SSIM >= this ...
     psnr_threshold = 20.0        # ... and PSNR >= this, when set (default: not used)
     max_truth = 64               # most samples considered as truth for multi-step updates
+    compensate = false           # seed 000 §V-C abuse: apply global update compensation to the single
+    compensate_Q = 6.0           #   victim's update (noise variance from its reply, or compensate_noise_variance)
     [attack.params.dlg]          # per-attack hyper-parameters
     iterations = 300
 """
@@ -40,7 +42,8 @@ from attacks import ATTACKS, AttackInput, build_attack
 from fedsim.observers import ClientUpdate, Observer
 
 ATTACK_KEYS = {"enabled", "name", "rounds", "every", "victims", "seed", "device", "psnr_threshold",
-               "ssim_threshold", "max_truth", "params", "max_images"}
+               "ssim_threshold", "max_truth", "params", "max_images", "compensate", "compensate_Q",
+               "compensate_noise_variance"}
 
 
 def _names(section: Mapping[str, Any]) -> list[str]:
@@ -85,6 +88,11 @@ def validate_attack_section(cfg: Mapping[str, Any]) -> None:
     for k in ("psnr_threshold", "ssim_threshold"):
         if k in sec and not isinstance(sec[k], (int, float)):
             raise ValueError(f"attack.{k} must be a number, got {sec[k]!r}")
+    if not isinstance(sec.get("compensate", False), bool):
+        raise ValueError(f"attack.compensate must be true or false, got {sec['compensate']!r}")
+    for k in ("compensate_Q", "compensate_noise_variance"):
+        if k in sec and (not isinstance(sec[k], (int, float)) or sec[k] < (1 if k == "compensate_Q" else 0)):
+            raise ValueError(f"attack.{k} must be a number >= {1 if k == 'compensate_Q' else 0}, got {sec[k]!r}")
     for k in ("seed", "max_truth", "max_images"):
         if k in sec and (not isinstance(sec[k], int) or sec[k] < (0 if k == "seed" else 1)):
             raise ValueError(f"attack.{k} must be a {'non-negative' if k == 'seed' else 'positive'} integer, "
@@ -120,6 +128,9 @@ class CuriousServer(Observer):
         self.ssim_threshold = float(sec.get("ssim_threshold", 0.5))
         self.max_truth = int(sec.get("max_truth", 64))
         self.max_images = int(sec.get("max_images", 8))
+        self.compensate = bool(sec.get("compensate", False))
+        self.compensate_Q = float(sec.get("compensate_Q", 6.0))
+        self.compensate_var = sec.get("compensate_noise_variance")
         self.rows: list[dict[str, Any]] = []
         self.out: Path | None = None
         self._pending: dict[int, list[ClientUpdate]] = {}
@@ -178,11 +189,23 @@ class CuriousServer(Observer):
         ds = dataset_for(self.cfg)
         names = update.param_names
         glob = {n: torch.as_tensor(np.array(a)) for n, a in zip(names, update.global_weights)}
-        upd = {n: torch.as_tensor(d) for n, d in zip(names, update.delta())}
+        delta = update.delta()
+        if self.compensate:
+            delta = self.compensated(update, delta)
+        upd = {n: torch.as_tensor(d) for n, d in zip(names, delta)}
         return AttackInput(model_fn=lambda: model_for(self.cfg), global_state=glob, update=upd,
                            recipe=dict(update.recipe), input_shape=ds.in_shape, num_classes=ds.num_classes,
                            num_examples=update.num_examples, device=self.device,
                            seed=self.seed * 1000003 + update.round * 1009 + update.client_id)
+
+    def compensated(self, update: ClientUpdate, delta: list[np.ndarray]) -> list[np.ndarray]:
+        """Random-matrix compensation of one client's update (the abuse seed 000 §V-C discusses)."""
+        from fedsim.compensation import GlobalUpdateCompensation
+
+        var = self.compensate_var if self.compensate_var is not None else update.metrics.get("noise_variance")
+        if not var:
+            return delta
+        return GlobalUpdateCompensation(Q=self.compensate_Q).apply(delta, float(var), names=list(update.param_names))
 
     def ground_truth(self, update: ClientUpdate) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples the victim trained on this round, re-created from (seed, round, client)."""
@@ -247,9 +270,9 @@ class CuriousServer(Observer):
             self._write_plots()
 
     def _write_grids(self) -> None:
-        from fedsim.reports import save_figure
-
         import matplotlib
+
+        from fedsim.reports import save_figure
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -280,9 +303,9 @@ class CuriousServer(Observer):
             plt.close(fig)
 
     def _write_plots(self) -> None:
-        from fedsim.reports import save_figure
-
         import matplotlib
+
+        from fedsim.reports import save_figure
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

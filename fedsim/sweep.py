@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import copy
 import re
-import tomllib
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import tomllib
 
 from fedsim.config import ConfigError, _merge, apply_overrides, defaults, validate
 from fedsim.reports import atomic_write_text, md_table, new_run_dir, read_jsonl, write_jsonl
