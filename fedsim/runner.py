@@ -108,8 +108,15 @@ def _run_ray(cfg, run_dir, observers, progress) -> None:
             errors.append(exc)
             raise
 
-    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=cfg["federation"]["num_clients"],
-                   backend_config=_backend_config(cfg))
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the actors use the cores; a spinning 2-thread evaluation here stalls them
+    try:
+        run_simulation(server_app=server_app, client_app=client_app,
+                       num_supernodes=cfg["federation"]["num_clients"], backend_config=_backend_config(cfg))
+    finally:
+        torch.set_num_threads(threads)
     if errors:
         raise errors[0]
     if not (run_dir / "summary.json").exists():
