@@ -166,18 +166,22 @@ def _set_defense(cfg: dict, key: str, value: Any) -> None:
                           f"(there are {len(cfg.get('defenses', []))} defenses)") from None
 
 
+def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
+    """Parse a TOML file; a missing or malformed file is a ConfigError naming it."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{what} {str(p)!r} does not exist")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{what} {str(p)!r} is not valid TOML: {exc}") from exc
+
+
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
     """Defaults <- TOML file <- overrides, then :func:`validate`. Returns the resolved config."""
     cfg = defaults()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from exc
-        _merge(cfg, data)
+        _merge(cfg, read_toml(path))
     apply_overrides(cfg, overrides)
     validate(cfg)
     return cfg

@@ -21,21 +21,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-import tomllib
 
-from fedsim.config import ConfigError, _merge, apply_overrides, defaults, validate
+from fedsim.config import ConfigError, _merge, apply_overrides, defaults, read_toml, validate
 from fedsim.reports import atomic_write_text, md_table, new_run_dir, read_jsonl, write_jsonl
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], list[tuple[str, dict]]]:
     """(base config, [(label, resolved config), ...]); raises ConfigError naming the variant and key."""
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"sweep file {str(p)!r} does not exist")
-    try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"sweep file {str(p)!r} is not valid TOML: {exc}") from exc
+    data = read_toml(p, "sweep file")
     variants = data.pop("variants", None)
     if not isinstance(variants, list) or not variants or not all(isinstance(v, dict) for v in variants):
         raise ConfigError(f"{p}: a sweep needs [[variants]] tables (each with a label)")

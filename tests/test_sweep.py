@@ -1,0 +1,67 @@
+"""Sweeps: a config plus [[variants]] -> one table."""
+from __future__ import annotations
+
+import pytest
+
+from fedsim.config import ConfigError
+from fedsim.reports import read_jsonl
+from fedsim.sweep import load_sweep, run_sweep
+
+BASE = """
+name = "sw"
+[federation]
+rounds = 2
+num_clients = 3
+[model]
+activation = "relu"
+[train]
+lr = 0.05
+batch_size = 16
+local_steps = 3
+[simulation]
+backend = "inprocess"
+[output]
+observers = []
+"""
+
+
+def write(tmp_path, text):
+    p = tmp_path / "sweep.toml"
+    p.write_text(text)
+    return p
+
+
+def test_sweep_runs_every_variant_into_one_table(tmp_path):
+    p = write(tmp_path, BASE + """
+[[variants]]
+label = "plain"
+
+[[variants]]
+label = "noisy"
+defenses = [{ name = "gaussian-noise", sigma = 0.5 }]
+""")
+    out = run_sweep(p, out=tmp_path / "out", progress=False)
+    rows = read_jsonl(out / "sweep.jsonl")
+    assert [r["variant"] for r in rows] == ["plain", "noisy"]
+    assert rows[0]["time_ratio"] == pytest.approx(1.0)
+    assert rows[1]["accuracy"] < rows[0]["accuracy"]  # heavy noise costs accuracy
+    report = (out / "report.md").read_text()
+    assert "| plain |" in report and "| noisy |" in report
+    for r in rows:
+        assert (out / r["run"] / "summary.json").exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    (BASE, "needs \\[\\[variants\\]\\]"),
+    (BASE + "[[variants]]\nlabel = 'a'\n[[variants]]\nlabel = 'a'\n", "used twice"),
+    (BASE + "[[variants]]\nlabel = 'a'\n[[variants]]\nlabel = 'b'\ntrain = { lr = -1.0 }\n",
+     r"variants\[1\] \(b\): train.lr"),
+    (BASE + "[[variants]]\nfederation = { rounds = 1 }\n", r"variants\[0\].label"),
+])
+def test_bad_sweeps_fail_before_anything_runs(tmp_path, text, message):
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError, match=message):
+        load_sweep(p)
+    with pytest.raises(ConfigError):
+        run_sweep(p, out=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
