@@ -27,6 +27,7 @@ from strategies import build_strategy
 from strategies.base import to_record
 
 log = logging.getLogger("fedsim")
+CLIENT_ID_KEYS = ("partition-id", "num-examples")  # per-client bookkeeping, meaningless when averaged
 
 
 def train_config(cfg: dict[str, Any]) -> ConfigRecord:
@@ -63,16 +64,18 @@ def run_server(grid: Grid, cfg: dict[str, Any], out: Path | None, observers: Seq
         loss, acc = evaluate(eval_model, ds.x_test, ds.y_test, device)
         now = time.perf_counter()
         info = strategy.round_info.get(server_round, {})
-        row = {"round": server_round, "accuracy": acc, "loss": loss, "seconds": now - clock["t"],
-               "replies": info.get("replies", 0), "failures": info.get("failures", 0)}
-        if "train_metrics" in info:
-            row["train_loss"] = info["train_metrics"].get("train_loss")
-        clock["t"] = now
+        row: dict[str, Any] = {"round": server_round, "accuracy": acc, "loss": loss, "seconds": now - clock["t"],
+                               "replies": info.get("replies", 0), "failures": info.get("failures", 0)}
+        # the clients' metrics (example-weighted means): training loss, what each defense did, ...
+        row.update({k: v for k, v in info.get("train_metrics", {}).items() if k not in CLIENT_ID_KEYS})
+        row.update({f"compensation.{k}": v for k, v in info.get("compensation", {}).items()})
+        for obs in observers:  # e.g. the curious server's attacks: timed apart from the round
+            obs.on_round_end(server_round, row)
+        row["observer_seconds"] = time.perf_counter() - now
+        clock["t"] = time.perf_counter()
         rows.append(row)
         if out is not None:
             write_jsonl(out / "metrics.jsonl", rows)
-        for obs in observers:
-            obs.on_round_end(server_round, row)
         if progress:
             print(f"[fedsim] round {server_round:>3}/{rounds}  accuracy {acc:.4f}  loss {loss:.4f}  "
                   f"clients {row['replies']}{'/' + str(row['replies'] + row['failures']) if row['failures'] else ''}"

@@ -62,21 +62,20 @@ def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-").lower() or "variant"
 
 
-def _mean(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None and np.isfinite(x)]
-    return float(np.mean(xs)) if xs else None
-
-
 def variant_row(label: str, run_dir: Path) -> dict[str, Any]:
     import json
 
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_jsonl(run_dir / "metrics.jsonl")
     train_rounds = [r for r in rows if r["round"] >= 2] or [r for r in rows if r["round"] >= 1]
+    secs = [r["seconds"] for r in train_rounds]
     row: dict[str, Any] = {"variant": label, "accuracy": summary.get("final_accuracy"),
                            "loss": summary.get("final_loss"),
-                           "round_seconds": _mean([r["seconds"] for r in train_rounds]),
+                           "round_seconds": float(np.median(secs)) if secs else None,
                            "failures": summary.get("client_failures", 0), "run": run_dir.name}
+    eps = [v for k, v in (rows[-1] if rows else {}).items() if k.endswith(".epsilon") and v is not None]
+X
+        row["epsilon"] = max(eps)
     for leak in summary.get("leakage", []):
         a = leak["attack"]
         for k in ("psnr", "ssim", "label_acc", "success_content"):
@@ -112,7 +111,8 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
 
 def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     leak_cols = sorted({k for r in rows for k in r if "." in k}, key=lambda k: (k.split(".")[0], k))
-    cols = ["variant", "accuracy", "loss", *leak_cols, "round_seconds", "time_ratio", "failures"]
+    eps = ["epsilon"] if any("epsilon" in r for r in rows) else []
+    cols = ["variant", "accuracy", "loss", *eps, *leak_cols, "round_seconds", "time_ratio", "failures"]
     fmt = {c: ".3f" for c in cols}
     fmt.update({c: ".2f" for c in cols if c.endswith("psnr") or c in ("round_seconds", "time_ratio")})
     fed, train = base["federation"], base["train"]
@@ -121,8 +121,8 @@ def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str,
             f"{base['data']['dataset']}, model {base['model']['name']}, lr {train['lr']}, batch "
             f"{train['batch_size']}. Accuracy/loss: global model on the test set after the last round. "
             "Leakage columns: mean over the attacked updates (`<attack>.psnr` in dB, `.ssim`, `.label_acc`, "
-            "`.success_content` = share of images with SSIM >= the threshold). `round_seconds`: mean wall time "
-            "of rounds >= 2; `time_ratio`: relative to the first variant.\n",
+            "`.success_content` = share of images with SSIM >= the threshold). `round_seconds`: median wall time "
+            "of rounds >= 2 (training, aggregation, evaluation; attacks are timed apart); `time_ratio`: relative to the first variant.\n",
             md_table(rows, cols, fmt),
             "\nEach variant's own report: " + ", ".join(f"[{r['variant']}]({r['run']}/report.md)" for r in rows) + "\n"]
     atomic_write_text(out_dir / "report.md", "\n".join(text))
