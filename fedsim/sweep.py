@@ -74,7 +74,7 @@ def variant_row(label: str, run_dir: Path) -> dict[str, Any]:
                            "round_seconds": float(np.median(secs)) if secs else None,
                            "failures": summary.get("client_failures", 0), "run": run_dir.name}
     eps = [v for k, v in (rows[-1] if rows else {}).items() if k.endswith(".epsilon") and v is not None]
-X
+    if eps:  # DP accounting reported by the clients' defenses (example-weighted mean over the clients)
         row["epsilon"] = max(eps)
     for leak in summary.get("leakage", []):
         a = leak["attack"]
