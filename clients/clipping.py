@@ -23,6 +23,28 @@ from clients.base import Defense, DefenseContext, LossFn, register
 from clients.noise import UpdateDefense
 
 
+def per_sample_gradients(module: nn.Module, params: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
+                         loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Gradient of each sample's loss w.r.t. ``params`` (torch.func: functional_call + vmap + grad).
+
+    ``rest`` holds every other parameter and buffer ``module`` needs (name -> tensor). Returns one
+    tensor of shape (batch, *param.shape) per entry of ``params``.
+    """
+    def loss_one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
+        out = functional_call(module, {**p, **rest}, (xi.unsqueeze(0),))
+        return loss_fn(out, yi.unsqueeze(0))
+
+    return vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(params, x, y)
+
+
+def clip_per_sample(per_sample: list[torch.Tensor], bound: float) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per-sample clipping g_i / max(1, ||g_i|| / B) over all tensors jointly; returns (clipped, norms)."""
+    b = per_sample[0].shape[0]
+    norms = torch.sqrt(sum((g.reshape(b, -1).double() ** 2).sum(1) for g in per_sample))
+    factor = (bound / norms.clamp_min(1e-12)).clamp(max=1.0)
+    return [g * factor.to(g.dtype).view(b, *([1] * (g.dim() - 1))) for g in per_sample], norms
+
+
 def _global_norm(tensors: list[torch.Tensor]) -> float:
     return math.sqrt(sum(float((t.double() ** 2).sum()) for t in tensors))
 
@@ -154,23 +176,14 @@ class DPSGD(Defense):
         check_no_batchnorm(model)
         named = list(model.named_parameters())
         train = {n: p.detach() for n, p in named if p.requires_grad}
-        frozen = {n: p.detach() for n, p in named if not p.requires_grad}
-        buffers = {n: b.detach() for n, b in model.named_buffers()}
-
-        def loss_one(p: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-            out = functional_call(model, (p, frozen, buffers), (xi.unsqueeze(0),))
-            return loss_fn(out, yi.unsqueeze(0))
-
-        g = vmap(grad(loss_one), in_dims=(None, 0, 0), randomness="different")(train, x, y)
+        rest = {**{n: p.detach() for n, p in named if not p.requires_grad},
+                **{n: b.detach() for n, b in model.named_buffers()}}
+        g = per_sample_gradients(model, train, rest, loss_fn, x, y)
         return [g[n] for n in train]
 
     def clip(self, per_sample: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Per-sample clipping g_i / max(1, ||g_i|| / B); returns the clipped grads and the norms."""
-        b = per_sample[0].shape[0]
-        norms = torch.sqrt(sum((g.reshape(b, -1).double() ** 2).sum(1) for g in per_sample))
-        factor = (self.clip_norm / norms.clamp_min(1e-12)).clamp(max=1.0)
-        clipped = [g * factor.to(g.dtype).view(b, *([1] * (g.dim() - 1))) for g in per_sample]
-        return clipped, norms
+        return clip_per_sample(per_sample, self.clip_norm)
 
     def compute_gradient(self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
                          ctx: DefenseContext) -> list[torch.Tensor] | None:

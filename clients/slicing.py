@@ -58,6 +58,7 @@ from torch.func import functional_call, grad, jvp, vmap
 from torch.nn import functional as F
 
 from clients.base import Defense, DefenseContext, LossFn, register
+from clients.clipping import clip_per_sample, per_sample_gradients
 
 RISK_METHODS = ("exact", "randomized", "auto")
 AUTO_EXACT_BUDGET = 4096  # max (samples x input size) Jacobian-vector products for method="auto"
@@ -541,21 +542,14 @@ class LocalRandomPerturbation(Defense):
         fm, names = self._clip_model, self._clip_names
         live = trainable_parameters(model)
         params = {n: live[n].detach() for n in names}
-        frozen = {n: p.detach() for n, p in model.named_parameters() if n not in params}
-        buffers = {n: b for n, b in fm.named_buffers()}
-
-        def loss(p, xi, yi):
-            out = functional_call(fm, ({**p, **frozen}, buffers), (xi.unsqueeze(0),))
-            return loss_fn(out, yi.unsqueeze(0))
-
-        per = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
-        flat = torch.cat([per[n].reshape(len(y), -1) for n in names], 1)
-        norms = flat.norm(dim=1)
-        factor = 1.0 / torch.clamp(norms / self.clip, min=1.0)
+        rest = {**{n: p.detach() for n, p in model.named_parameters() if n not in params},
+                **dict(fm.named_buffers())}
+        per = per_sample_gradients(fm, params, rest, loss_fn, x, y)
+        clipped, norms = clip_per_sample([per[n] for n in names], self.clip)
         self._clip_steps += 1
         self._samples += len(y)
         self._clipped += int((norms > self.clip).sum())
-        return [(per[n] * factor.view(-1, *([1] * (per[n].dim() - 1)))).mean(0) for n in names]
+        return [g.mean(0) for g in clipped]
 
     # ---- Alg. 1 -----------------------------------------------------------------------------
     def overrides_compute_gradient(self) -> bool:

@@ -1,9 +1,6 @@
 """Seed 000's global update compensation (random-matrix theory, §V)."""
 from __future__ import annotations
 
-import ast
-from pathlib import Path
-
 import numpy as np
 import pytest
 
