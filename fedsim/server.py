@@ -69,6 +69,10 @@ def run_server(grid: Grid, cfg: dict[str, Any], out: Path | None, observers: Seq
         # the clients' metrics (example-weighted means): training loss, what each defense did, ...
         row.update({k: v for k, v in info.get("train_metrics", {}).items() if k not in CLIENT_ID_KEYS})
         row.update({f"compensation.{k}": v for k, v in info.get("compensation", {}).items()})
+        if server_round > 0 and row["replies"] == 0 and row["failures"] > 0:
+            first = next((f for f in strategy.failures if f["round"] == server_round), {})
+            raise RuntimeError(f"round {server_round}: all {row['failures']} sampled clients failed; the first "
+                               f"error (client {first.get('client')}): {first.get('reason', '?')}")
         for obs in observers:  # e.g. the curious server's attacks: timed apart from the round
             obs.on_round_end(server_round, row)
         row["observer_seconds"] = time.perf_counter() - now

@@ -262,6 +262,21 @@ def test_failing_client_is_recorded_and_run_finishes(small_cfg, recorder, failin
     assert summary["final_accuracy"] is not None
 
 
+class _FailAll(Defense):
+    name = "test-fail-all"
+
+    def setup(self, model, ctx):
+        raise RuntimeError(f"boom on client {ctx.client_id}")
+
+
+def test_a_round_where_every_client_fails_stops_the_run_with_the_reason(small_cfg, monkeypatch, tmp_path):
+    monkeypatch.setitem(DEFENSES, _FailAll.name, _FailAll)
+    cfg = small_cfg(defenses=[{"name": _FailAll.name}])
+    with pytest.raises(RuntimeError, match="round 1: all 4 sampled clients failed.*boom on client"):
+        run_experiment(cfg, progress=False)
+    assert not any((tmp_path / "runs").glob("*"))  # nothing half-written
+
+
 # ------------------------------------------------------------------------------------ run folder
 def test_run_experiment_writes_the_run_folder(small_cfg, tmp_path):
     cfg = small_cfg("federation.rounds=3", "output.observers=['update-norms']", name="full")

@@ -1,0 +1,216 @@
+"""Seed 000 (Wang et al., INFOCOM 2022) end to end: LRP perturbation + global update compensation in
+a real (in-process) federation, the attacks against it, and what the strategy's compensation does.
+
+All runs go through ``run_experiment`` with ``simulation.backend = "inprocess"`` (the real ClientApp,
+strategy, observers and curious server) and are seeded. The numbers in the docstrings were measured
+on these exact configs (see docs/seed000.md for the full grids, two seeds).
+
+Paper vs. measurement. Fig. 2 / Table II claim that LRP without compensation loses (all) accuracy
+and that compensation restores it to within ~2 points of no defense. With this repository's
+compensation (fedsim/compensation.py: flat update -> v x w matrix, Marchenko-Pastur band) that does
+not reproduce at any noise level we tried: at the paper's sigma = 0.1, which defeats the attacks,
+FedAvg already averages the LRP noise away (no compensation needed), and the compensation removes
+most of the *signal* (it keeps 1-3 of 47 directions per round) and costs accuracy. The tests below
+pin what was measured; ``test_paper_fig2_claim`` states the paper's claim and is a strict xfail, so
+it turns into a failure the day the claim starts to hold (then update docs/seed000.md).
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import fedsim.server
+from fedsim.compensation import aggregate_noise_variance, compensate_with_info
+from fedsim.reports import read_jsonl
+from fedsim.runner import run_experiment
+
+LRP = {"name": "lrp", "slices": 10, "gamma": 0.3, "sigma": 0.1}  # the paper's GIA setting, var 1e-2, 30%
+
+# FedSGD in the attacks' worst case (one sample per batch, one local step) on the tanh LeNet
+FEDSGD = ("federation.num_clients=30", "federation.rounds=40", "train.lr=0.1", "train.batch_size=1",
+          "train.local_steps=1", 'model.activation="tanh"', 'data.partition="iid"')
+
+
+def _accuracy(run_dir) -> float:
+    """Mean test accuracy over the last 5 rounds (one FedSGD round moves it by a few points)."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    return float(np.mean([r["accuracy"] for r in rows[-5:]]))
+
+
+class _Capture:
+    """Wraps ``fedsim.server.build_strategy`` to keep the strategy a run builds (for round_info)."""
+
+    def __init__(self) -> None:
+        self.strategies: list = []
+        self._orig = fedsim.server.build_strategy
+
+    def __call__(self, *a, **kw):
+        s = self._orig(*a, **kw)
+        self.strategies.append(s)
+        return s
+
+
+# ------------------------------------------------------------------------------------ (a) accuracy
+def _make(*sets, **kw):
+    from conftest import make_small_cfg
+
+    return make_small_cfg(*sets, **kw)
+
+
+@pytest.fixture(scope="module")
+def accuracy_runs(tmp_path_factory):
+    """no defense / LRP / LRP + compensation, 30 clients x 40 FedSGD rounds, seed 0 (~20 s)."""
+    out = tmp_path_factory.mktemp("seed000-acc")
+    cap = _Capture()
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fedsim.server, "build_strategy", cap)
+        for label, extra, defenses in (("none", (), []),
+                                       ("lrp", (), [LRP]),
+                                       ("lrp+comp", ('strategy.compensation="mp"',), [LRP])):
+            cfg = _make(*FEDSGD, *extra, defenses=defenses, output__dir=str(out))
+            run_dir = run_experiment(cfg, out=out / label, progress=False)
+            runs[label] = {"acc": _accuracy(run_dir), "strategy": cap.strategies[-1]}
+    return runs
+
+
+def test_lrp_without_compensation_keeps_accuracy(accuracy_runs):
+    """At the noise that defeats the attacks (test_attack_fails_on_lrp), plain FedAvg averages the LRP
+    noise away. Measured (mean of the last 5 rounds): no defense 0.637, LRP 0.636 (seed 1: 0.626 /
+    0.625; 50 clients x 60 rounds: 0.744 / 0.738 and 0.728 / 0.730)."""
+    none, lrp = accuracy_runs["none"]["acc"], accuracy_runs["lrp"]["acc"]
+    assert none > 0.5, none  # the federation learns at all
+    assert abs(lrp - none) <= 0.03, (none, lrp)
+
+
+def test_compensation_costs_accuracy_at_the_papers_noise(accuracy_runs):
+    """The strategy's MP compensation at sigma = 0.1 keeps only a few of the w = 47 directions of the
+    reshaped update in the early rounds (noise and weak signal directions alike are cut) and training
+    slows.
+    Measured: LRP + compensation 0.383 vs LRP 0.636 (seed 1: 0.524 vs 0.625; 50 clients x 60
+    rounds: 0.638 vs 0.738 and 0.656 vs 0.730)."""
+    lrp, comp = accuracy_runs["lrp"]["acc"], accuracy_runs["lrp+comp"]["acc"]
+    assert comp <= lrp - 0.08, (lrp, comp)
+    info = accuracy_runs["lrp+comp"]["strategy"].round_info
+    kept = [info[r]["compensation"]["compensation.kept"] for r in sorted(info)]
+    w = info[1]["compensation"]["compensation.w"]
+    # measured: 2-6 kept directions in rounds 1-17, growing to 26 by round 40 as the gradients grow
+    assert w == 47 and max(kept[:10]) <= 8 and min(kept) >= 1, kept
+
+
+@pytest.mark.xfail(strict=True, reason="seed 000 Fig. 2 does not reproduce with fedsim/compensation.py: "
+                   "uncompensated LRP keeps its accuracy, compensation loses it (docs/seed000.md)")
+def test_paper_fig2_claim(accuracy_runs):
+    """Seed 000 Fig. 2 / Table II: compensated LRP within 2 points of no defense while uncompensated
+    LRP is clearly worse."""
+    none, lrp, comp = (accuracy_runs[k]["acc"] for k in ("none", "lrp", "lrp+comp"))
+    assert comp >= none - 0.02 and lrp <= none - 0.10, (none, lrp, comp)
+
+
+# ------------------------------------------------------------------------------------- (b) attacks
+ATTACK_SETS = ("federation.num_clients=4", "federation.rounds=1", "train.lr=0.1", "train.batch_size=1",
+               "train.local_steps=1", 'model.activation="tanh"')
+ATTACK = {"name": ["idlg", "ig"], "rounds": [1], "victims": [0, 1], "seed": 0,
+          "params": {"idlg": {"iterations": 300}, "ig": {"iterations": 1000}}}
+
+
+def _leakage(tmp_path, label, defenses, attack) -> dict[str, dict]:
+    cfg = _make(*ATTACK_SETS, defenses=defenses, attack=attack, output__dir=str(tmp_path))
+    run_dir = run_experiment(cfg, out=tmp_path / label, progress=False)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {row["attack"]: row for row in summary["leakage"]}
+
+
+def _muted(attack: dict, patterns: list[str]) -> dict:
+    a = json.loads(json.dumps(attack))
+    for p in a["params"].values():
+        p["muted"] = patterns
+    return a
+
+
+def test_attack_fails_on_lrp_but_succeeds_on_pld_with_fc_muted(tmp_path):
+    """Table I / II direction, batch-1 FedSGD round 1 (the paper's worst case), two victims.
+    Measured mean SSIM (PSNR): LRP sigma 0.1 -> iDLG 0.071 (5.9 dB), IG 0.239 (10.2 dB; victims 0.18
+    and 0.30); PLD (fc pruned 80%) with fc.* muted in the attack -> iDLG 1.000 (98 dB), IG 0.997
+    (45.6 dB). For reference: no defense 1.000 / 0.995, PLD attacked naively 0.944 / 0.975."""
+    lrp = _leakage(tmp_path, "lrp", [LRP], ATTACK)
+    pld_muted = _leakage(tmp_path, "pld-muted", [{"name": "pld", "ratio": 0.8}], _muted(ATTACK, ["fc.*"]))
+    for name in ("idlg", "ig"):
+        assert lrp[name]["attacks_run"] == 2
+        assert lrp[name]["ssim"] < 0.35 and lrp[name]["success_content"] == 0.0, (name, lrp[name])
+        assert pld_muted[name]["ssim"] > 0.9 and pld_muted[name]["success_content"] == 1.0, (name, pld_muted[name])
+
+
+def test_attacker_side_compensation_does_not_restore_the_attack(tmp_path):
+    """§V-C abuse: the curious server compensates the single victim update (its declared noise
+    variance) before attacking. Measured mean SSIM: iDLG 0.079, IG 0.147 (0.071 / 0.239 without it)."""
+    attack = {**ATTACK, "compensate": True}
+    rows = _leakage(tmp_path, "lrp-abuse", [LRP], attack)
+    for name in ("idlg", "ig"):
+        assert rows[name]["ssim"] < 0.35 and rows[name]["success_content"] == 0.0, (name, rows[name])
+
+
+# -------------------------------------------------------------------- (c) compensation in strategy
+def test_strategy_applies_compensation_with_the_aggregate_noise_variance(tmp_path, recorder):
+    """One round, clients of unequal size (pathological partition): the strategy's noise variance is
+    sum_i p_i^2 sigma_i^2 over the replies, each sigma_i^2 = fraction_perturbed * (lr * sigma)^2 is
+    what the client's lrp declares, and the new global model is global + compensate(FedAvg update)."""
+    lr = 0.05
+    cfg = _make("federation.num_clients=4", "federation.rounds=1", f"train.lr={lr}", "train.local_steps=2",
+                'data.partition="pathological"', "data.min_per_class=5", "data.max_per_class=40",
+                'strategy.compensation="mp"', defenses=[{**LRP, "sigma": 0.5}], output__dir=str(tmp_path))
+    cap = _Capture()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fedsim.server, "build_strategy", cap)
+        run_dir = run_experiment(cfg, out=tmp_path / "run", observers=[recorder], progress=False)
+    strategy = cap.strategies[-1]
+    ups = sorted(recorder.by_round()[1], key=lambda u: u.client_id)
+    n = np.array([u.num_examples for u in ups], dtype=np.float64)
+    assert len(ups) == 4 and len(set(n)) > 1, "the test needs unequal client sizes"
+
+    # each client's declared variance is its realised perturbed fraction times (lr * sigma)^2
+    variances = []
+    for u in ups:
+        m = u.metrics
+        frac = m["defense.0.lrp.fraction_perturbed"]
+        assert 0 < frac < 1
+        assert m["defense.0.lrp.noise_std"] == pytest.approx(lr * 0.5)
+        assert m["noise_variance"] == pytest.approx(frac * (lr * 0.5) ** 2, rel=1e-9)
+        variances.append(m["noise_variance"])
+    p = n / n.sum()
+    expected_var = float(np.sum(p ** 2 * np.array(variances)))
+    assert expected_var == pytest.approx(aggregate_noise_variance(n, variances), rel=1e-12)
+    assert expected_var != pytest.approx(float(np.mean(variances)) / len(ups), rel=1e-3)  # weights matter
+
+    comp = strategy.round_info[1]["compensation"]
+    assert comp["noise_variance"] == pytest.approx(expected_var, rel=1e-9)
+    assert comp["compensation.noise_var"] == pytest.approx(expected_var, rel=1e-9)
+    assert 0 < comp["compensation.kept"] < comp["compensation.w"]  # some directions were removed
+
+    # the saved global model is the compensated FedAvg update, recomputed here independently
+    names = list(ups[0].param_names)
+    glob = [np.asarray(a, dtype=np.float64) for a in ups[0].global_weights]
+    mean = [sum(pi * np.asarray(u.weights[j], dtype=np.float64) for pi, u in zip(p, ups))
+            for j in range(len(names))]
+    flat = np.concatenate([(m - g).reshape(-1) for m, g in zip(mean, glob)])  # LeNet: no buffers
+    comp_flat, info = compensate_with_info(flat, expected_var, 6.0, "band")
+    assert info["kept"] == comp["compensation.kept"]
+    saved = torch.load(run_dir / "model.pt")
+    got = np.concatenate([saved[k].numpy().astype(np.float64).reshape(-1) - g.reshape(-1)
+                          for k, g in zip(names, glob)])
+    np.testing.assert_allclose(got, comp_flat, rtol=1e-4, atol=1e-6)
+    assert np.linalg.norm(got - flat) > 0.1 * np.linalg.norm(flat)  # and it is not the plain FedAvg mean
+
+
+def test_compensation_is_skipped_without_declared_noise(small_cfg):
+    cap = _Capture()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fedsim.server, "build_strategy", cap)
+        run_experiment(small_cfg("federation.rounds=1", 'strategy.compensation="mp"'), progress=False)
+        run_experiment(small_cfg("federation.rounds=1", defenses=[LRP]), progress=False)
+    with_comp, without = cap.strategies
+    assert with_comp.round_info[1]["compensation"] == {"skipped": "no client declared a noise variance"}
+    assert "compensation" not in without.round_info[1]
