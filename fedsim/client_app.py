@@ -23,6 +23,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 from flwr.clientapp import ClientApp
 
 from clients.base import build_pipeline
+from clients.flower_mods import build_flower_mods, wrap
 from fedsim.data import load_dataset, partition
 from fedsim.models import build_model
 from fedsim.training import Recipe, derive_seed, local_train, resolve_device, set_weights
@@ -82,6 +83,13 @@ def query(msg: Message, context: Context) -> Message:
 
 @client_app.train()
 def train(msg: Message, context: Context) -> Message:
+    """Local training, wrapped by the Flower mods the config names (``[[client.flower_mods]]``)."""
+    cfg = parse_config(str(msg.content["config"][CONFIG_KEY]))
+    mods = build_flower_mods(cfg.get("client", {}).get("flower_mods", []))
+    return wrap(_train, mods)(msg, context) if mods else _train(msg, context)
+
+
+def _train(msg: Message, context: Context) -> Message:
     conf = msg.content["config"]
     text = str(conf[CONFIG_KEY])
     cfg = parse_config(text)

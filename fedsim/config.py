@@ -85,6 +85,7 @@ SCHEMA: dict[str, Field] = {
     "simulation.num_cpus": Field(int, 1, min=1, help="CPUs per client actor"),
     "simulation.num_gpus": Field(NUM, 0.0, min=0.0, help="GPUs per client actor (fractions allowed)"),
     "simulation.ray_address": Field(str, None, nullable=True, help="join an existing Ray cluster"),
+    "client.flower_mods": Field(list, [], help="Flower client mods wrapping local training, e.g. local-dp"),
     "output.dir": Field(str, "runs", help="parent folder of run folders"),
     "output.observers": Field(list, ["update-norms"], help="observers at the interception point"),
 }
@@ -255,6 +256,12 @@ def validate(cfg: dict[str, Any]) -> None:
 
     try:
         build_pipeline(cfg["defenses"])
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    from clients.flower_mods import build_flower_mods
+
+    try:
+        build_flower_mods(cfg["client"]["flower_mods"])
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     from strategies import validate_strategy
