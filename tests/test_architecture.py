@@ -27,3 +27,17 @@ def imported_packages(package: str) -> set[str]:
 def test_import_direction(package, forbidden):
     assert imported_packages(package)  # the scan sees the package's imports at all
     assert not (imported_packages(package) & forbidden)
+
+
+def test_flower_app_components_exist():
+    """pyproject's [tool.flwr.app.components] point at a real ServerApp and ClientApp."""
+    import tomllib
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import ServerApp
+
+    comps = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["components"]
+    import importlib
+
+    for key, cls in (("serverapp", ServerApp), ("clientapp", ClientApp)):
+        mod, attr = comps[key].split(":")
+        assert isinstance(getattr(importlib.import_module(mod), attr), cls)
