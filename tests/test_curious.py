@@ -27,7 +27,7 @@ def demo_cfg(tmp_path: Path, *sets: str) -> dict:
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("demo")
-    cfg = demo_cfg(tmp)
+    cfg = demo_cfg(tmp, "federation.rounds=3")
     rec = RecordingObserver()
     curious = CuriousServer.from_config(cfg)
     out = run_experiment(cfg, out=tmp / "run", observers=[rec, curious], progress=False)
@@ -43,7 +43,7 @@ def test_simulation_with_curious_server_writes_leakage_outputs(demo_run):
     for r in rows:
         for k in ("psnr", "ssim", "mse", "label_acc", "iterations", "seconds", "accuracy"):
             assert r[k] is not None, k
-    # FedSGD at batch 1 on the sigmoid LeNet: the curious server recovers the images
+    # FedSGD on a batch of 2 (tanh LeNet): the curious server recovers the images
     assert max(r["psnr"] for r in rows) > 30
     assert all(r["label_acc"] == 1.0 for r in rows)
     assert (out / "reconstruction_idlg.png").stat().st_size > 1000
@@ -55,13 +55,13 @@ def test_simulation_with_curious_server_writes_leakage_outputs(demo_run):
 
 
 def test_scorer_recreates_exactly_the_batch_the_victim_trained_on(demo_run):
-    """FedSGD, batch 1: the victim's gradient at the re-created sample equals -update/lr exactly."""
+    """FedSGD: the victim's gradient at the re-created batch equals -update/lr exactly."""
     cfg, _, rec, curious = demo_run
     from fedsim.client_app import model_for
 
     upd = next(u for u in rec.updates if u.round == 2 and u.client_id == 3)  # any round / client
     x, y = curious.ground_truth(upd)
-    assert len(x) == 1
+    assert len(x) == cfg["train"]["batch_size"]
     model = model_for(cfg)
     model.load_state_dict({n: torch.as_tensor(np.array(a)) for n, a in zip(upd.param_names, upd.global_weights)})
     grads = torch.autograd.grad(F.cross_entropy(model(x), y), list(model.parameters()))
