@@ -152,27 +152,37 @@ def defense_params(cls: type[Defense]) -> dict[str, Any]:
             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
-def build_pipeline(entries: Sequence[Mapping[str, Any]]) -> DefensePipeline:
-    """Instantiate ``[[defenses]]`` entries (dicts with ``name`` and parameters), validating each key."""
-    import clients.registry  # noqa: F401  (registers the built-in defenses)
+def build_entries(entries: Sequence[Mapping[str, Any]], registry: Mapping[str, type], where: str) -> list[Any]:
+    """Instantiate config entries (tables with ``name`` + constructor parameters) from ``registry``.
 
-    defenses = []
+    Every error names ``<where>[i].<key>``: unknown name, unknown or missing parameter, bad value.
+    """
+    out = []
     for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}[{i}] must be a table with a name")
         name = entry.get("name")
-        if name not in DEFENSES:
-            raise ValueError(f"defenses[{i}].name must be one of {sorted(DEFENSES)}, got {name!r}")
-        cls = DEFENSES[name]
+        if name not in registry:
+            raise ValueError(f"{where}[{i}].name must be one of {sorted(registry)}, got {name!r}")
+        cls = registry[name]
         allowed = defense_params(cls)
         params = {k: v for k, v in entry.items() if k != "name"}
         for k in params:
             if k not in allowed:
-                raise ValueError(f"defenses[{i}].{k} is not a parameter of defense {name!r}; "
+                raise ValueError(f"{where}[{i}].{k} is not a parameter of {name!r}; "
                                  f"allowed: {sorted(allowed) or 'none'}")
         missing = [k for k, v in allowed.items() if v is inspect.Parameter.empty and k not in params]
         if missing:
-            raise ValueError(f"defenses[{i}] ({name}) needs {missing}")
+            raise ValueError(f"{where}[{i}] ({name}) needs {missing}")
         try:
-            defenses.append(cls(**params))
+            out.append(cls(**params))
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"defenses[{i}] ({name}): {exc}") from exc
-    return DefensePipeline(defenses)
+            raise ValueError(f"{where}[{i}] ({name}): {exc}") from exc
+    return out
+
+
+def build_pipeline(entries: Sequence[Mapping[str, Any]]) -> DefensePipeline:
+    """Instantiate ``[[defenses]]`` entries (dicts with ``name`` and parameters), validating each key."""
+    import clients.registry  # noqa: F401  (registers the built-in defenses)
+
+    return DefensePipeline(build_entries(entries, DEFENSES, "defenses"))
