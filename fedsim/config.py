@@ -216,6 +216,8 @@ def _typename(t: type | tuple[type, ...]) -> str:
 def validate(cfg: dict[str, Any]) -> None:
     """Check every key; raise ConfigError naming the first bad one."""
     for section, _value in cfg.items():
+        if section == "variants":
+            raise ConfigError("this is a sweep file ([[variants]]): run it with `fedsim sweep FILE`")
         known = section in LIST_SECTIONS or any(k == section or k.startswith(section + ".") for k in SCHEMA)
         if not known and section not in OPEN_SECTIONS:
             raise ConfigError(f"unknown config key {section!r}; allowed top-level keys: "
