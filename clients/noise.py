@@ -107,6 +107,21 @@ class _AdditiveNoise(UpdateDefense):
                 "noised_entries": float(getattr(self, "_count", 0))}
 
 
+def _one_of(spread: str, value: float | None, variance: float | None,
+            variance_note: str = "") -> tuple[str, float]:
+    """Exactly one of a spread parameter (``"sigma (...)"``) or ``variance``, validated >= 0.
+
+    Returns (the key that was given, its value as float).
+    """
+    key = spread.split(" ")[0]
+    if (value is None) == (variance is None):
+        raise ValueError(f"give exactly one of {spread} or variance{variance_note}")
+    key, v = (key, value) if value is not None else ("variance", variance)
+    if float(v) < 0:
+        raise ValueError(f"{key} must be >= 0, got {v}")
+    return key, float(v)
+
+
 @register
 class GaussianNoise(_AdditiveNoise):
     """Zero-mean Gaussian noise on every parameter entry of the update.
@@ -119,16 +134,8 @@ class GaussianNoise(_AdditiveNoise):
 
     def __init__(self, sigma: float | None = None, variance: float | None = None,
                  include_buffers: bool = False):
-        if (sigma is None) == (variance is None):
-            raise ValueError("give exactly one of sigma (standard deviation) or variance")
-        if sigma is not None:
-            if float(sigma) < 0:
-                raise ValueError(f"sigma must be >= 0, got {sigma}")
-            self.std = float(sigma)
-        else:
-            if float(variance) < 0:
-                raise ValueError(f"variance must be >= 0, got {variance}")
-            self.std = math.sqrt(float(variance))
+        key, value = _one_of("sigma (standard deviation)", sigma, variance)
+        self.std = value if key == "sigma" else math.sqrt(value)
         self.include_buffers = bool(include_buffers)
 
     def _sample(self, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
@@ -146,16 +153,8 @@ class LaplaceNoise(_AdditiveNoise):
 
     def __init__(self, scale: float | None = None, variance: float | None = None,
                  include_buffers: bool = False):
-        if (scale is None) == (variance is None):
-            raise ValueError("give exactly one of scale (Laplace b) or variance (= 2 b^2)")
-        if scale is not None:
-            if float(scale) < 0:
-                raise ValueError(f"scale must be >= 0, got {scale}")
-            self.scale = float(scale)
-        else:
-            if float(variance) < 0:
-                raise ValueError(f"variance must be >= 0, got {variance}")
-            self.scale = math.sqrt(float(variance) / 2.0)
+        key, value = _one_of("scale (Laplace b)", scale, variance, variance_note=" (= 2 b^2)")
+        self.scale = value if key == "scale" else math.sqrt(value / 2.0)
         self.std = math.sqrt(2.0) * self.scale
         self.include_buffers = bool(include_buffers)
 
