@@ -46,6 +46,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import reduce
@@ -107,7 +108,11 @@ def _gradient_jvp_fn(model: nn.Module):
         return grad(loss)(params)
 
     def sq_norms(x: torch.Tensor, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        _, tangent = jvp(lambda xx: sample_grad(xx, y), (x,), (t,))
+        with warnings.catch_warnings():
+            # torch's first forward-mode AD call scripts its own decompositions with torch.jit.script and
+            # warns that jit.script is deprecated: torch's internals, nothing a fedsim user can act on
+            warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.*", category=FutureWarning)
+            _, tangent = jvp(lambda xx: sample_grad(xx, y), (x,), (t,))
         return torch.stack([tangent[n].pow(2).sum() for n in names])
 
     return names, sq_norms

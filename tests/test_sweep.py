@@ -1,11 +1,15 @@
 """Sweeps: a config plus [[variants]] -> one table."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from fedsim.config import ConfigError
+from fedsim.config import ConfigError, load_config
 from fedsim.reports import read_jsonl
 from fedsim.sweep import load_sweep, run_sweep
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
 BASE = """
 name = "sw"
@@ -65,3 +69,15 @@ def test_bad_sweeps_fail_before_anything_runs(tmp_path, text, message):
     with pytest.raises(ConfigError):
         run_sweep(p, out=tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.toml")), ids=lambda p: p.name)
+def test_every_shipped_experiment_config_validates(path):
+    """Each file in experiments/ loads as what it is (a sweep with [[variants]] or a single run) and
+    every variant passes the full validation (strategy, defenses, attack parameters)."""
+    if "[[variants]]" in path.read_text():
+        base, variants = load_sweep(path)
+        assert variants and all(cfg["name"].startswith(base["name"]) for _, cfg in variants)
+    else:
+        cfg = load_config(path)
+        assert cfg["federation"]["rounds"] >= 1
