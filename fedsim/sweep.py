@@ -26,8 +26,12 @@ from fedsim.config import ConfigError, _merge, apply_overrides, defaults, read_t
 from fedsim.reports import atomic_write_text, md_table, new_run_dir, read_jsonl, write_jsonl
 
 
-def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> tuple[dict[str, Any], list[tuple[str, dict]]]:
-    """(base config, [(label, resolved config), ...]); raises ConfigError naming the variant and key."""
+def load_sweep(path: str | Path, overrides: Sequence[str] = (),
+               only: Sequence[str] = ()) -> tuple[dict[str, Any], list[tuple[str, dict]]]:
+    """(base config, [(label, resolved config), ...]); raises ConfigError naming the variant and key.
+
+    ``only`` keeps just the variants with these labels; the overrides are applied to those alone (so
+    ``--set defenses.0.sigma=...`` works with ``--only`` a variant that has a defense)."""
     p = Path(path)
     data = read_toml(p, "sweep file")
     variants = data.pop("variants", None)
@@ -36,15 +40,22 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> tuple[dict[st
     base = defaults()
     _merge(base, data)
     out = []
-    labels = set()
+    labels = []
     for i, v in enumerate(variants):
-        v = dict(v)
-        label = v.pop("label", None)
+        label = v.get("label")
         if not isinstance(label, str) or not label:
             raise ConfigError(f"variants[{i}].label must be a non-empty string")
         if label in labels:
             raise ConfigError(f"variants[{i}].label {label!r} is used twice")
-        labels.add(label)
+        labels.append(label)
+    unknown = [o for o in only if o not in labels]
+    if unknown:
+        raise ConfigError(f"--only {unknown}: no such variant; variants: {labels}")
+    for i, v in enumerate(variants):
+        v = dict(v)
+        label = v.pop("label")
+        if only and label not in only:
+            continue
         cfg = copy.deepcopy(base)
         _merge(cfg, v)
         cfg["name"] = f"{base.get('name', 'sweep')}-{_slug(label)}"
@@ -54,7 +65,13 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()) -> tuple[dict[st
         except ConfigError as exc:
             raise ConfigError(f"variants[{i}] ({label}): {exc}") from exc
         out.append((label, cfg))
-    apply_overrides(base, overrides)
+    # the base names the output folder and heads the report; every override was checked against every
+    # selected variant above, and one that only a variant can take (defenses.<i>.<param>) skips the base
+    for o in overrides:
+        try:
+            apply_overrides(base, [o])
+        except ConfigError:
+            pass
     return base, out
 
 
@@ -87,12 +104,7 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
               progress: bool = True, only: Sequence[str] = ()) -> Path:
     from fedsim.runner import run_experiment
 
-    base, variants = load_sweep(path, overrides)
-    if only:
-        unknown = [o for o in only if o not in {lbl for lbl, _ in variants}]
-        if unknown:
-            raise ConfigError(f"--only {unknown}: no such variant; variants: {[lbl for lbl, _ in variants]}")
-        variants = [(lbl, c) for lbl, c in variants if lbl in only]
+    base, variants = load_sweep(path, overrides, only)
     out_dir = Path(out) if out else new_run_dir(base["output"]["dir"], base.get("name", "sweep"))
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import RecordingObserver
 from torch.nn import functional as F
 
 from attacks.curious import CuriousServer, select_truth
@@ -14,7 +15,6 @@ from fedsim.cli import main as cli_main
 from fedsim.config import ConfigError, load_config
 from fedsim.reports import read_jsonl
 from fedsim.runner import run_experiment
-from tests.conftest import RecordingObserver
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "experiments" / "demo.toml"

@@ -10,7 +10,9 @@ and that compensation restores it to within ~2 points of no defense. With this r
 compensation (fedsim/compensation.py: flat update -> v x w matrix, Marchenko-Pastur band) that does
 not reproduce at any noise level we tried: at the paper's sigma = 0.1, which defeats the attacks,
 FedAvg already averages the LRP noise away (no compensation needed), and the compensation removes
-most of the *signal* (it keeps 1-3 of 47 directions per round) and costs accuracy. The tests below
+most of the *signal* (it keeps 1-3 of 47 directions per round) and costs accuracy; carrying the
+removed part into the next round (``compensation_feedback``) gives that accuracy back but does no
+better than no compensation. The tests below
 pin what was measured; ``test_paper_fig2_claim`` states the paper's claim and is a strict xfail, so
 it turns into a failure the day the claim starts to hold (then update docs/seed000.md).
 """

@@ -71,6 +71,25 @@ def test_bad_sweeps_fail_before_anything_runs(tmp_path, text, message):
     assert not (tmp_path / "out").exists()
 
 
+def test_only_selects_variants_before_the_overrides_apply(tmp_path):
+    """``--set defenses.0.sigma=...`` is wrong for a variant without defenses; with ``--only`` the
+    variants left out are not resolved at all, so it applies to the selected one alone."""
+    p = write(tmp_path, BASE + """
+[[variants]]
+label = "plain"
+
+[[variants]]
+label = "noisy"
+defenses = [{ name = "gaussian-noise", sigma = 0.5 }]
+""")
+    with pytest.raises(ConfigError, match=r"variants\[0\] \(plain\): .*defenses"):
+        load_sweep(p, ["defenses.0.sigma=2.0"])
+    _, variants = load_sweep(p, ["defenses.0.sigma=2.0"], only=["noisy"])
+    assert [(label, cfg["defenses"][0]["sigma"]) for label, cfg in variants] == [("noisy", 2.0)]
+    with pytest.raises(ConfigError, match="no such variant"):
+        load_sweep(p, only=["loud"])
+
+
 @pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.toml")), ids=lambda p: p.name)
 def test_every_shipped_experiment_config_validates(path):
     """Each file in experiments/ loads as what it is (a sweep with [[variants]] or a single run) and
