@@ -28,6 +28,15 @@ backend = "inprocess"
 observers = []
 """
 
+PLAIN_AND_NOISY = """
+[[variants]]
+label = "plain"
+
+[[variants]]
+label = "noisy"
+defenses = [{ name = "gaussian-noise", sigma = 0.5 }]
+"""
+
 
 def write(tmp_path, text):
     p = tmp_path / "sweep.toml"
@@ -36,14 +45,7 @@ def write(tmp_path, text):
 
 
 def test_sweep_runs_every_variant_into_one_table(tmp_path):
-    p = write(tmp_path, BASE + """
-[[variants]]
-label = "plain"
-
-[[variants]]
-label = "noisy"
-defenses = [{ name = "gaussian-noise", sigma = 0.5 }]
-""")
+    p = write(tmp_path, BASE + PLAIN_AND_NOISY)
     out = run_sweep(p, out=tmp_path / "out", progress=False)
     rows = read_jsonl(out / "sweep.jsonl")
     assert [r["variant"] for r in rows] == ["plain", "noisy"]
@@ -74,14 +76,7 @@ def test_bad_sweeps_fail_before_anything_runs(tmp_path, text, message):
 def test_only_selects_variants_before_the_overrides_apply(tmp_path):
     """``--set defenses.0.sigma=...`` is wrong for a variant without defenses; with ``--only`` the
     variants left out are not resolved at all, so it applies to the selected one alone."""
-    p = write(tmp_path, BASE + """
-[[variants]]
-label = "plain"
-
-[[variants]]
-label = "noisy"
-defenses = [{ name = "gaussian-noise", sigma = 0.5 }]
-""")
+    p = write(tmp_path, BASE + PLAIN_AND_NOISY)
     with pytest.raises(ConfigError, match=r"variants\[0\] \(plain\): .*defenses"):
         load_sweep(p, ["defenses.0.sigma=2.0"])
     _, variants = load_sweep(p, ["defenses.0.sigma=2.0"], only=["noisy"])
