@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run a sweep file (a config plus [[variants]]) and write one report with a "
                                    "row per variant: accuracy, leakage per attack, round time.")
     s.add_argument("config", help="sweep TOML, e.g. experiments/defenses.toml")
-    s.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override for every variant")
+    s.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value in every variant that runs (repeatable)")
     s.add_argument("--out", help="sweep folder (default: <output.dir>/<name>-<timestamp>)")
     s.add_argument("--only", action="append", metavar="LABEL", help="run only this variant (repeatable)")
     s.add_argument("--quiet", action="store_true", help="no per-round progress lines")
