@@ -36,6 +36,14 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_arguments(p: argparse.ArgumentParser, config_help: str, set_help: str, out_what: str) -> None:
+    """The arguments every command that runs a config file takes: the file, --set, --out, --quiet."""
+    p.add_argument("config", help=config_help)
+    p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help=set_help)
+    p.add_argument("--out", help=f"{out_what} to write (default: <output.dir>/<name>-<timestamp>)")
+    p.add_argument("--quiet", action="store_true", help="no per-round progress lines")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedsim", description="Federated-learning privacy lab on Flower: "
                                 "simulations, curious-server gradient-leakage attacks and defenses.")
@@ -44,22 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run an experiment config (Flower simulation on Ray)",
                        description="Run a federated simulation from a TOML config and write a run folder "
                                    "(config.toml, metrics.jsonl, summary.json, accuracy.png, report.md, ...).")
-    r.add_argument("config", help="TOML config, e.g. experiments/default.toml")
-    r.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
-                   help="override a config value (repeatable), e.g. --set federation.rounds=3")
-    r.add_argument("--out", help="run folder to write (default: <output.dir>/<name>-<timestamp>)")
+    _config_arguments(r, "TOML config, e.g. experiments/default.toml",
+                      "override a config value (repeatable), e.g. --set federation.rounds=3", "run folder")
     r.add_argument("--backend", choices=("ray", "inprocess"), help="override simulation.backend")
-    r.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     r.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("sweep", help="run every variant of an experiment and tabulate them",
                        description="Run a sweep file (a config plus [[variants]]) and write one report with a "
                                    "row per variant: accuracy, leakage per attack, round time.")
-    s.add_argument("config", help="sweep TOML, e.g. experiments/defenses.toml")
-    s.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override a config value in every variant that runs (repeatable)")
-    s.add_argument("--out", help="sweep folder (default: <output.dir>/<name>-<timestamp>)")
+    _config_arguments(s, "sweep TOML, e.g. experiments/defenses.toml",
+                      "override a config value in every variant that runs (repeatable)", "sweep folder")
     s.add_argument("--only", action="append", metavar="LABEL", help="run only this variant (repeatable)")
-    s.add_argument("--quiet", action="store_true", help="no per-round progress lines")
     s.set_defaults(func=_cmd_sweep)
 
     d = sub.add_parser("datasets", help="list datasets and whether they are available here",
