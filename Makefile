@@ -33,6 +33,7 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/sim_overhead.py
 	$(PY) benchmarks/attack_speed.py
+	$(PY) benchmarks/compensation_cost.py
 
 clean:
 	rm -rf runs .pytest_cache
