@@ -5,9 +5,13 @@ Importing this package registers every attack in :data:`ATTACKS`:
 * ``dlg``  - Deep Leakage from Gradients (Zhu et al. 2019), labels optimised jointly;
 * ``idlg`` - DLG with labels inferred from the gradient (Zhao et al. 2020);
 * ``cpl``  - the CPL attack of seed 001 (geometric initialisation, label regulariser, threshold stop);
-* ``ig``   - Inverting Gradients (Geiping et al. 2020), optionally FedAvg-aware.
+* ``ig``   - Inverting Gradients (Geiping et al. 2020), optionally FedAvg-aware;
+* ``grnn`` - GRNN, the generative regression attack of seed 003 (chapter 3).
 
-Build one by name with :func:`build_attack`; run it on an :class:`AttackInput`.
+Each attack's defaults are the strongest measured setting at a stated budget (docs/benchmarks.md,
+"Attack strength"). Build one by name with :func:`build_attack`; run it on an :class:`AttackInput`, or
+on all victims of a round at once with :meth:`Attack.run_many` (one stacked optimisation per group of
+victims that share the global model; :mod:`attacks.batched`).
 """
 from __future__ import annotations
 

@@ -135,6 +135,11 @@ class Target:
     def matched_grads(self) -> list[torch.Tensor]:
         return [self.grads[n] for n in self.matched]
 
+    def norm2(self) -> float:
+        """The (layer-weighted) squared norm of the matched gradients: the L2 distance of a zero gradient."""
+        w = self.weights if self.weights is not None else [1.0] * len(self.matched)
+        return float(sum(wi * float(g.double().pow(2).sum()) for wi, g in zip(w, self.matched_grads)))
+
     def params(self, names: Sequence[str] | None = None) -> list[torch.Tensor]:
         p = dict(self.model.named_parameters())
         return [p[n] for n in (names if names is not None else self.matched)]
@@ -198,7 +203,7 @@ def generator(inp: AttackInput, salt: int = 0) -> torch.Generator:
 
 
 # ---------------------------------------------------------------- optimisation
-PATIENCE_TOL = 1e-3  # a loss counts as progress when it is below (1 - this) x the last progress mark
+PATIENCE_TOL = 1e-2  # a distance counts as progress when it is below (1 - this) x the last progress mark
 
 
 class Stagnation:
@@ -207,14 +212,17 @@ class Stagnation:
     A converging reconstruction keeps making progress (its distance falls by orders of magnitude), so
     only a stalled one (saturated units, a plateau, the float floor after convergence) is stopped. The
     distance, not the loss, is watched: a regulariser (CPL's label term) can dominate a loss whose
-    gradient-matching part is still falling."""
+    gradient-matching part is still falling. At the float floor L-BFGS keeps finding rare 1% falls, so
+    a distance below ``floor`` (an exact match) also ends the attempt."""
 
-    def __init__(self, patience: int | None):
-        self.patience, self.mark, self.since = patience, math.inf, 0
+    def __init__(self, patience: int | None, floor: float = 0.0):
+        self.patience, self.mark, self.since, self.floor = patience, math.inf, 0, floor
 
     def step(self, loss: float) -> bool:
         if self.patience is None:
             return False
+        if loss < self.floor:
+            return True
         if loss < self.mark * (1 - PATIENCE_TOL) or not math.isfinite(self.mark):
             self.mark, self.since = loss, 0
             return False
@@ -225,7 +233,7 @@ class Stagnation:
 def lbfgs_loop(variables: list[torch.Tensor], objective: Callable[[], tuple[torch.Tensor, torch.Tensor]],
                iterations: int, history: int = 100, lr: float = 1.0, line_search: str | None = None,
                threshold: float | None = None, stop_at_threshold: bool = False,
-               patience: int | None = None) -> dict[str, Any]:
+               patience: int | None = None, floor: float = 0.0) -> dict[str, Any]:
     """Minimise ``objective`` (returning (loss, gradient distance)) over ``variables`` with L-BFGS.
 
     One iteration is one L-BFGS step (``max_iter=1``: one evaluation of the objective without a line
@@ -233,7 +241,7 @@ def lbfgs_loop(variables: list[torch.Tensor], objective: Callable[[], tuple[torc
     iterate; ``converged_at`` is the first ``t`` whose gradient distance is below ``threshold``. On exit
     the variables hold the iterate with the lowest loss seen (the converged one when stopping at the
     threshold); a non-finite loss stops the loop (``diverged``), so does a gradient distance stalled for
-    ``patience`` iterations (:class:`Stagnation`; ``stopped="patience"``).
+    ``patience`` iterations or below ``floor`` (:class:`Stagnation`; ``stopped="patience"``).
     """
     opt = torch.optim.LBFGS(variables, lr=lr, max_iter=1, history_size=history, line_search_fn=line_search,
                             tolerance_grad=0.0, tolerance_change=0.0)
@@ -253,7 +261,7 @@ def lbfgs_loop(variables: list[torch.Tensor], objective: Callable[[], tuple[torc
 
     best, best_loss = [v.detach().clone() for v in variables], math.inf
     converged_at, diverged, stopped = None, False, None
-    stall = Stagnation(patience)
+    stall = Stagnation(patience, floor)
     for it in range(iterations):
         snapshot = [v.detach().clone() for v in variables]
         state.clear()

@@ -243,12 +243,13 @@ def batched_lbfgs_loop(variables: list[torch.Tensor],
                        objective: Callable[[torch.Tensor, list[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
                        iterations: int, history: int = 100, lr: float = 1.0, threshold: float | None = None,
                        stop_at_threshold: bool = False, patience: int | None = None,
-                       limits: Sequence[int] | None = None) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
+                       limits: Sequence[int] | None = None, floors: Sequence[float] | None = None
+                       ) -> tuple[list[torch.Tensor], list[dict[str, Any]]]:
     """:func:`attacks._common.lbfgs_loop` for ``V`` stacked problems (``variables`` ``(V, ...)``).
 
     ``objective(rows, vars)`` gets the indices of the victims still optimised and their variables and
     returns their losses and gradient distances ``(A,)``. ``limits`` caps each victim's iterations
-    (default: ``iterations`` for all). Returns the variables each victim ends with (its best iterate,
+    (default: ``iterations`` for all), ``floors`` are their :class:`Stagnation` floors. Returns the variables each victim ends with (its best iterate,
     as ``lbfgs_loop`` leaves them) and one trace per victim.
     """
     V = variables[0].shape[0]
@@ -262,7 +263,7 @@ def batched_lbfgs_loop(variables: list[torch.Tensor],
     converged: list[int | None] = [None] * V
     diverged = [False] * V
     stopped: list[str | None] = [None] * V
-    stalls = [Stagnation(patience) for _ in range(V)]
+    stalls = [Stagnation(patience, floors[v] if floors is not None else 0.0) for v in range(V)]
     caps = [int(c) for c in limits] if limits is not None else [iterations] * V
     for it in range(iterations):
         if len(rows) == 0:

@@ -66,7 +66,7 @@ from ._common import (
 )
 from .base import Attack, AttackInput, AttackResult, register
 from .gradients import assumed_schedule, simulate_update
-from .inverting import total_variation
+from .inverting import total_variation, tv_stacked
 
 LABEL_MODES = ("generated", "idlg", "known")
 WD_MODES = ("w1", "w2", "l2norm", "none")
@@ -208,11 +208,7 @@ def grnn_loss(dummy: Sequence[torch.Tensor], target: Sequence[torch.Tensor],
 def tv_loss(x: torch.Tensor) -> torch.Tensor:
     """Anisotropic total variation (:func:`attacks.inverting.total_variation`) of a batch ``(B, C, H, W)``,
     or per victim of a stack ``(A, B, C, H, W)``."""
-    if x.dim() == 4:
-        return total_variation(x)
-    dx = (x[..., :, 1:] - x[..., :, :-1]).abs().flatten(1).mean(1)
-    dy = (x[..., 1:, :] - x[..., :-1, :]).abs().flatten(1).mean(1)
-    return dx + dy
+    return total_variation(x) if x.dim() == 4 else tv_stacked(x)
 
 
 # ---------------------------------------------------------------- the attack

@@ -181,7 +181,7 @@ class InvertingGradients(Attack):
             opt.zero_grad(set_to_none=True)
             grads, _ = st.dummy_gradients(x, y)
             dist = stacked_distance(grads, target, "cosine", weights)
-            loss = dist + self.tv * _tv_stacked(x) if self.tv else dist
+            loss = dist + self.tv * tv_stacked(x) if self.tv else dist
             lv, dv = loss.detach().tolist(), dist.detach().tolist()
             for j in range(A):
                 if not alive[j]:
@@ -209,7 +209,7 @@ class InvertingGradients(Attack):
                 for j in range(A)]
 
 
-def _tv_stacked(x: torch.Tensor) -> torch.Tensor:
+def tv_stacked(x: torch.Tensor) -> torch.Tensor:
     """:func:`total_variation` of each victim's batch in a stack ``(A, B, C, H, W)``: ``(A,)``."""
     dx = (x[..., :, 1:] - x[..., :, :-1]).abs().flatten(1).mean(1)
     dy = (x[..., 1:, :] - x[..., :-1, :]).abs().flatten(1).mean(1)
