@@ -13,6 +13,8 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 from torch import nn
 
+from fedsim.components import ATTACKS
+
 
 @dataclass
 class AttackInput:
@@ -56,11 +58,9 @@ class Attack:
         raise NotImplementedError
 
 
-ATTACKS: dict[str, type[Attack]] = {}
+ATTACKS.base = Attack
 
 
 def register(cls: type[Attack]) -> type[Attack]:
-    if not cls.name:
-        raise TypeError(f"{cls.__name__} needs a non-empty `name`")
-    ATTACKS[cls.name] = cls
-    return cls
+    """Class decorator: register an attack under its ``name`` (``[attack] name = ...``)."""
+    return ATTACKS.register(cls)

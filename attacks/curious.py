@@ -38,65 +38,12 @@ import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from attacks import ATTACKS, AttackInput, build_attack
+from attacks.base import AttackInput
+from fedsim.components import ATTACKS, OBSERVERS
+from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.observers import ClientUpdate, Observer
-
-ATTACK_KEYS = {"enabled", "name", "rounds", "every", "victims", "seed", "device", "psnr_threshold",
-               "ssim_threshold", "max_truth", "params", "max_images", "compensate", "compensate_Q",
-               "compensate_noise_variance"}
-
-
-def _names(section: Mapping[str, Any]) -> list[str]:
-    name = section.get("name", "dlg")
-    return [name] if isinstance(name, str) else list(name)
-
-
-def validate_attack_section(cfg: Mapping[str, Any]) -> None:
-    """Raise ValueError naming the bad ``attack.*`` key."""
-    sec = cfg["attack"]
-    if not isinstance(sec, Mapping):
-        raise ValueError("attack must be a table ([attack])")
-    for k in sec:
-        if k not in ATTACK_KEYS:
-            raise ValueError(f"unknown config key 'attack.{k}'; allowed: {sorted(ATTACK_KEYS)}")
-    names = _names(sec)
-    if not names or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"attack.name must be an attack name or a list of names, got {sec.get('name')!r}")
-    for n in names:
-        if n not in ATTACKS:
-            raise ValueError(f"attack.name {n!r} is not an attack; allowed: {sorted(ATTACKS)}")
-    params = sec.get("params", {})
-    if not isinstance(params, Mapping):
-        raise ValueError("attack.params must be a table of per-attack tables ([attack.params.dlg])")
-    for n, p in params.items():
-        if n not in names:
-            raise ValueError(f"attack.params.{n}: {n!r} is not in attack.name {names}")
-        build_attack(n, **dict(p))  # validates the hyper-parameters (errors name the key)
-    rounds = sec.get("rounds", [1])
-    if not (rounds == "all" or (isinstance(rounds, list) and all(isinstance(r, int) and r >= 1 for r in rounds))):
-        raise ValueError(f"attack.rounds must be \"all\" or a list of round numbers >= 1, got {rounds!r}")
-    every = sec.get("every", 0)
-    if not isinstance(every, int) or every < 0:
-        raise ValueError(f"attack.every must be an integer >= 0, got {every!r}")
-    victims = sec.get("victims", "sampled")
-    ok = victims == "sampled" or (isinstance(victims, int) and not isinstance(victims, bool) and victims >= 1) or (
-        isinstance(victims, list) and all(isinstance(v, int) and 0 <= v < cfg["federation"]["num_clients"]
-                                          for v in victims))
-    if not ok:
-        raise ValueError(f"attack.victims must be \"sampled\", a positive integer k, or a list of client ids in "
-                         f"0..{cfg['federation']['num_clients'] - 1}, got {victims!r}")
-    for k in ("psnr_threshold", "ssim_threshold"):
-        if k in sec and not isinstance(sec[k], (int, float)):
-            raise ValueError(f"attack.{k} must be a number, got {sec[k]!r}")
-    if not isinstance(sec.get("compensate", False), bool):
-        raise ValueError(f"attack.compensate must be true or false, got {sec['compensate']!r}")
-    for k in ("compensate_Q", "compensate_noise_variance"):
-        if k in sec and (not isinstance(sec[k], (int, float)) or sec[k] < (1 if k == "compensate_Q" else 0)):
-            raise ValueError(f"attack.{k} must be a number >= {1 if k == 'compensate_Q' else 0}, got {sec[k]!r}")
-    for k in ("seed", "max_truth", "max_images"):
-        if k in sec and (not isinstance(sec[k], int) or sec[k] < (0 if k == "seed" else 1)):
-            raise ValueError(f"attack.{k} must be a {'non-negative' if k == 'seed' else 'positive'} integer, "
-                             f"got {sec[k]!r}")
+from fedsim.protocol import NOISE_VARIANCE
+from fedsim.training import Recipe, batch_schedule, derive_seed, resolve_device
 
 
 def select_truth(recon: torch.Tensor, truth_x: torch.Tensor, truth_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,28 +56,58 @@ def select_truth(recon: torch.Tensor, truth_x: torch.Tensor, truth_y: torch.Tens
     return truth_x[idx], truth_y[idx]
 
 
+@OBSERVERS.register
 class CuriousServer(Observer):
     """Runs the configured attacks on intercepted updates and records leakage metrics."""
 
-    def __init__(self, cfg: Mapping[str, Any]):
-        from fedsim.training import resolve_device
+    name = "curious-server"
 
+    def __init__(self, *, cfg: Mapping[str, Any], name: str | list[str] = "dlg", rounds: str | list[int] | None = None,
+                 every: int = 0, victims: str | int | list[int] = "sampled", seed: int = 0, device: str = "auto",
+                 psnr_threshold: float | None = None, ssim_threshold: float = 0.5, max_truth: int = 64,
+                 max_images: int = 8, compensate: bool = False, compensate_Q: float = 6.0,
+                 compensate_noise_variance: float | None = None, params: Mapping[str, Any] | None = None,
+                 enabled: bool = True):
         self.cfg = cfg
-        sec = dict(cfg["attack"])
-        self.names = _names(sec)
-        self.params = {n: dict(sec.get("params", {}).get(n, {})) for n in self.names}
-        self.rounds = sec.get("rounds", [1])
-        self.every = int(sec.get("every", 0))
-        self.victims = sec.get("victims", "sampled")
-        self.seed = int(sec.get("seed", 0))
-        self.device = resolve_device(sec.get("device", "auto"))
-        self.psnr_threshold = float(sec["psnr_threshold"]) if "psnr_threshold" in sec else None
-        self.ssim_threshold = float(sec.get("ssim_threshold", 0.5))
-        self.max_truth = int(sec.get("max_truth", 64))
-        self.max_images = int(sec.get("max_images", 8))
-        self.compensate = bool(sec.get("compensate", False))
-        self.compensate_Q = float(sec.get("compensate_Q", 6.0))
-        self.compensate_var = sec.get("compensate_noise_variance")
+        self.names = [name] if isinstance(name, str) else list(name)
+        if not self.names or not all(isinstance(n, str) for n in self.names):
+            raise ValueError(f"attack.name must be an attack name or a list of names, got {name!r}")
+        for n in self.names:
+            ATTACKS.lookup(n, "attack.name")
+        params = {} if params is None else params
+        if not isinstance(params, Mapping):
+            raise ValueError("attack.params must be a table of per-attack tables ([attack.params.dlg])")
+        for n in params:
+            if n not in self.names:
+                raise ValueError(f"attack.params.{n}: {n!r} is not in attack.name {self.names}")
+        self.params = {n: dict(params.get(n, {})) for n in self.names}
+        for n in self.names:  # validates the hyper-parameters (errors name the key)
+            ATTACKS.build_named(n, self.params[n], f"attack.params.{n}")
+        rounds = [1] if rounds is None else rounds
+        if not (rounds == "all" or (isinstance(rounds, list) and all(isinstance(r, int) and r >= 1 for r in rounds))):
+            raise ValueError(f"attack.rounds must be \"all\" or a list of round numbers >= 1, got {rounds!r}")
+        if every < 0:
+            raise ValueError(f"attack.every must be an integer >= 0, got {every!r}")
+        n_clients = cfg["federation"]["num_clients"]
+        ok = victims == "sampled" or (isinstance(victims, int) and not isinstance(victims, bool) and victims >= 1) \
+            or (isinstance(victims, list) and all(isinstance(v, int) and 0 <= v < n_clients for v in victims))
+        if not ok:
+            raise ValueError(f"attack.victims must be \"sampled\", a positive integer k, or a list of client ids in "
+                             f"0..{n_clients - 1}, got {victims!r}")
+        if compensate_Q < 1:
+            raise ValueError(f"attack.compensate_Q must be a number >= 1, got {compensate_Q!r}")
+        if compensate_noise_variance is not None and compensate_noise_variance < 0:
+            raise ValueError(f"attack.compensate_noise_variance must be a number >= 0, got {compensate_noise_variance!r}")
+        for k, v, lo in (("seed", seed, 0), ("max_truth", max_truth, 1), ("max_images", max_images, 1)):
+            if v < lo:
+                raise ValueError(f"attack.{k} must be an integer >= {lo}, got {v!r}")
+        self.rounds, self.every, self.victims, self.seed = rounds, int(every), victims, int(seed)
+        self.device = resolve_device(device)
+        self.psnr_threshold = float(psnr_threshold) if psnr_threshold is not None else None
+        self.ssim_threshold = float(ssim_threshold)
+        self.max_truth, self.max_images = int(max_truth), int(max_images)
+        self.compensate, self.compensate_Q = bool(compensate), float(compensate_Q)
+        self.compensate_var = compensate_noise_variance
         self.rows: list[dict[str, Any]] = []
         self.out: Path | None = None
         self._pending: dict[int, list[ClientUpdate]] = {}
@@ -138,7 +115,7 @@ class CuriousServer(Observer):
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "CuriousServer":
-        return cls(cfg)
+        return OBSERVERS.build_named(cls.name, cfg["attack"], "attack", cfg=cfg)
 
     # ---- which updates ------------------------------------------------------------------------
     def attacks_round(self, rnd: int) -> bool:
@@ -150,8 +127,6 @@ class CuriousServer(Observer):
         if self.victims == "sampled":
             return sorted(sampled)
         if isinstance(self.victims, int):
-            from fedsim.training import derive_seed
-
             rng = np.random.default_rng(derive_seed(self.seed, rnd, 0xC0))
             return sorted(rng.choice(sorted(sampled), size=min(self.victims, len(sampled)), replace=False).tolist())
         return sorted(v for v in self.victims if v in sampled)
@@ -184,8 +159,6 @@ class CuriousServer(Observer):
 
     # ---- attacking and scoring -------------------------------------------------------------------
     def attack_input(self, update: ClientUpdate) -> AttackInput:
-        from fedsim.client_app import dataset_for, model_for
-
         ds = dataset_for(self.cfg)
         names = update.param_names
         glob = {n: torch.as_tensor(np.array(a)) for n, a in zip(names, update.global_weights)}
@@ -202,19 +175,14 @@ class CuriousServer(Observer):
         """Random-matrix compensation of one client's update (the abuse seed 000 §V-C discusses)."""
         from fedsim.compensation import GlobalUpdateCompensation
 
-        var = self.compensate_var if self.compensate_var is not None else update.metrics.get("noise_variance")
+        var = self.compensate_var if self.compensate_var is not None else update.metrics.get(NOISE_VARIANCE)
         if not var:
             return delta
         return GlobalUpdateCompensation(Q=self.compensate_Q).apply(delta, float(var), names=list(update.param_names))
 
     def ground_truth(self, update: ClientUpdate) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples the victim trained on this round, re-created from (seed, round, client)."""
-        import json
-
-        from fedsim.client_app import client_data
-        from fedsim.training import Recipe, batch_schedule
-
-        x, y = client_data(json.dumps(dict(self.cfg), sort_keys=True), update.client_id)
+        x, y = client_data(self.cfg, update.client_id)
         sched = batch_schedule(self.cfg["seed"], update.round, update.client_id, len(y),
                                Recipe.from_mapping(update.recipe))
         seen: list[int] = []
@@ -229,7 +197,7 @@ class CuriousServer(Observer):
         from fedsim.metrics import score_reconstruction
 
         inp = self.attack_input(update)
-        attack = build_attack(name, **self.params[name])
+        attack = ATTACKS.build_named(name, self.params[name], f"attack.params.{name}")
         t0 = time.perf_counter()
         result = attack.run(inp)
         seconds = time.perf_counter() - t0

@@ -55,7 +55,7 @@ def _quiet() -> None:
 
 
 def make_cfg(args, out_dir: Path, backend: str) -> dict:
-    from fedsim.config import load_config
+    from fedsim.app import load_config
 
     return load_config(ROOT / "experiments" / "default.toml", [
         f"federation.rounds={args.rounds}", f"federation.num_clients={args.clients}", "output.observers=[]",
@@ -68,8 +68,7 @@ def plain_loop(cfg: dict, threads: int | None) -> dict:
     import numpy as np
     import torch
 
-    from fedsim.client_app import client_data, dataset_for, model_for
-    from fedsim.server import train_config
+    from fedsim.factories import client_data, dataset_for, model_for
     from fedsim.training import Recipe, evaluate, get_weights, local_train, seed_everything, set_weights
 
     before = torch.get_num_threads()
@@ -79,12 +78,11 @@ def plain_loop(cfg: dict, threads: int | None) -> dict:
     try:
         seed_everything(cfg["seed"])
         ds = dataset_for(cfg)
-        text = str(train_config(cfg)["fedsim-config"])  # the exact config text the ClientApp parses
         recipe = Recipe.from_mapping(cfg["train"])
         model, eval_model = model_for(cfg), model_for(cfg)
         global_w = get_weights(model)
         n = cfg["federation"]["num_clients"]
-        data = [client_data(text, pid) for pid in range(n)]
+        data = [client_data(cfg, pid) for pid in range(n)]
         rows = []
         for rnd in range(1, cfg["federation"]["rounds"] + 1):
             t0 = time.perf_counter()
@@ -122,9 +120,9 @@ def compute_observer():
 
 
 def fedsim_run(cfg: dict, out: Path, pull_interval: float | None = None, fast_dispatch: bool = False) -> dict:
-    import fedsim.server as server
+    import fedsim.app.server as server
+    from fedsim.app.runner import run_experiment
     from fedsim.reports import read_jsonl
-    from fedsim.runner import run_experiment
 
     original = server.run_server
     patched_vce = None

@@ -19,8 +19,8 @@ from opacus.accountants import RDPAccountant
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from clients.base import Defense, DefenseContext, LossFn, register
 from clients.noise import UpdateDefense
+from fedsim.defense import Defense, DefenseContext, LossFn, register
 
 
 def per_sample_gradients(module: nn.Module, params: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],

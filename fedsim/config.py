@@ -1,9 +1,12 @@
 """Experiment configuration: TOML files, ``--set section.key=value`` overrides, validation.
 
 A config is a nested dict. :data:`SCHEMA` lists every fixed key with its type, default and allowed
-values; open sections (``strategy`` parameters, ``attack``, ``[[defenses]]``) are checked by the
-component that owns them (``validate`` calls them). Every bad value raises :class:`ConfigError`
-naming the key and what is allowed, before anything is written.
+values. The component sections - ``[strategy]`` (aggregation rule), ``[channel]``, ``[[transforms]]``,
+``[[defenses]]``, ``[[client.flower_mods]]``, ``output.observers``, ``[attack]`` (the curious
+server) - are checked by one mechanism, :mod:`fedsim.components`, against the parameters each
+component declares. Every bad value raises :class:`ConfigError` naming the key and what is allowed,
+before anything is written. Validation needs the plugins registered: load configs through
+``fedsim.app.load_config`` (the composition root), which imports them first.
 """
 from __future__ import annotations
 
@@ -14,9 +17,15 @@ from typing import Any, Callable, Mapping, Sequence
 
 import tomllib
 
-
-class ConfigError(ValueError):
-    """A config value is missing, unknown or out of range; the message names the key."""
+from fedsim.components import (
+    CHANNELS,
+    DEFENSES,
+    FLOWER_MODS,
+    OBSERVERS,
+    STRATEGIES,
+    TRANSFORMS,
+    ConfigError,
+)
 
 
 @dataclass(frozen=True)
@@ -43,12 +52,6 @@ def _models() -> list[str]:
     from fedsim.models import MODELS
 
     return list(MODELS)
-
-
-def _strategies() -> list[str]:
-    from strategies import STRATEGIES
-
-    return sorted(STRATEGIES)
 
 
 NUM = (int, float)
@@ -79,7 +82,8 @@ SCHEMA: dict[str, Field] = {
     "train.batch_size": Field(int, 32, min=1),
     "train.local_steps": Field(int, None, nullable=True, min=1, help="SGD steps per round (FedSGD: 1)"),
     "train.local_epochs": Field(int, None, nullable=True, min=1, help="local passes over the data"),
-    "strategy.name": Field(str, "fedavg", choices=_strategies),
+    "strategy.name": Field(str, "fedavg", help="aggregation rule (+ its parameters in [strategy])"),
+    "channel.name": Field(str, "plain", help="how models travel (+ its parameters in [channel])"),
     "simulation.backend": Field(str, "ray", choices=("ray", "inprocess"),
                                 help="ray: Flower's simulation engine; inprocess: in-process grid (tests)"),
     "simulation.num_cpus": Field(int, 1, min=1, help="CPUs per client actor"),
@@ -89,8 +93,9 @@ SCHEMA: dict[str, Field] = {
     "output.dir": Field(str, "runs", help="parent folder of run folders"),
     "output.observers": Field(list, ["update-norms"], help="observers at the interception point"),
 }
-OPEN_SECTIONS = ("strategy", "attack")  # extra keys checked by their owners
-LIST_SECTIONS = ("defenses",)
+OPEN_SECTIONS = ("strategy", "channel", "attack")  # parameters checked by their component
+LIST_SECTIONS = ("defenses", "transforms")
+CURIOUS_SERVER = "curious-server"  # the observer the [attack] section configures
 
 
 def defaults() -> dict[str, Any]:
@@ -98,6 +103,7 @@ def defaults() -> dict[str, Any]:
     for key, f in SCHEMA.items():
         _set(cfg, key, copy.deepcopy(f.default))
     cfg["defenses"] = []
+    cfg["transforms"] = []
     return cfg
 
 
@@ -147,24 +153,24 @@ def apply_overrides(cfg: dict, overrides: Sequence[str]) -> None:
         key = key.strip()
         if not key or key.startswith(".") or key.endswith("."):
             raise ConfigError(f"--set expects section.key=value, got {item!r}")
-        if key.startswith("defenses"):
-            _set_defense(cfg, key, parse_value(text.strip()))
+        if key.split(".")[0] in LIST_SECTIONS:
+            _set_list_entry(cfg, key, parse_value(text.strip()))
         else:
             _set(cfg, key, parse_value(text.strip()))
 
 
-def _set_defense(cfg: dict, key: str, value: Any) -> None:
-    # defenses.0.sigma=0.1  or defenses=[{name="prune", ratio=0.9}]
-    parts = key.split(".")
-    if len(parts) == 1:
-        cfg["defenses"] = value
+def _set_list_entry(cfg: dict, key: str, value: Any) -> None:
+    # defenses.0.sigma=0.1  or defenses=[{name="prune", ratio=0.9}]  (also transforms)
+    section, *parts = key.split(".")
+    if not parts:
+        cfg[section] = value
         return
     try:
-        i = int(parts[1])
-        cfg["defenses"][i][".".join(parts[2:])] = value
-    except (ValueError, IndexError, TypeError):
-        raise ConfigError(f"--set {key}: use defenses.<index>.<param> with an existing index "
-                          f"(there are {len(cfg.get('defenses', []))} defenses)") from None
+        i = int(parts[0])
+        cfg[section][i][".".join(parts[1:])] = value
+    except (ValueError, IndexError, TypeError, KeyError):
+        raise ConfigError(f"--set {key}: use {section}.<index>.<param> with an existing index "
+                          f"(there are {len(cfg.get(section) or [])} {section})") from None
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
@@ -245,8 +251,9 @@ def validate(cfg: dict[str, Any]) -> None:
                           f"({data['max_per_class']})")
     if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
         raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
-    if not isinstance(cfg.get("defenses", []), list) or not all(isinstance(d, dict) for d in cfg["defenses"]):
-        raise ConfigError("defenses must be a list of tables ([[defenses]] with name = ...)")
+    for section in LIST_SECTIONS:
+        if not isinstance(cfg.get(section, []), list) or not all(isinstance(d, dict) for d in cfg.get(section, [])):
+            raise ConfigError(f"{section} must be a list of tables ([[{section}]] with name = ...)")
     if cfg["device"] != "auto":
         from fedsim.training import resolve_device
 
@@ -254,31 +261,48 @@ def validate(cfg: dict[str, Any]) -> None:
             resolve_device(cfg["device"])
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"device: {exc}") from exc
-    from clients.base import build_pipeline
+    build_components(cfg)
 
+
+# keys that moved to another section: the error says where
+MOVED = {
+    "compensation": 'seed 000\'s compensation is a server transform now: [[transforms]] name = "mp-compensation"',
+    "compensation_feedback": 'use [[transforms]] name = "mp-compensation" with feedback = true',
+    "compensation_mode": 'use [[transforms]] name = "mp-compensation" with mode = ...',
+    "Q": 'use [[transforms]] name = "mp-compensation" with Q = ...',
+}
+
+
+def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate every component section through its registry and build the components (one mechanism).
+
+    Returns ``rule``, ``channel``, ``transforms``, ``defenses``, ``flower_mods``, ``observers`` (the
+    curious server last, when ``[attack]`` is set). Raises :class:`ConfigError` naming the key.
+    """
+    from fedsim.defense import DefensePipeline
+    from fedsim.seams import check_compatible
+
+    strategy = dict(cfg["strategy"])
+    for k in strategy:
+        if k in MOVED:
+            raise ConfigError(f"strategy.{k} moved: {MOVED[k]}")
+    rule = STRATEGIES.build(strategy, "strategy")
+    channel = CHANNELS.build(dict(cfg.get("channel") or {"name": "plain"}), "channel")
+    transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
+    check_compatible(type(channel), type(rule),
+                     [(f"transforms[{i}]", type(t)) for i, t in enumerate(transforms)])
     try:
-        build_pipeline(cfg["defenses"])
+        defenses = DefensePipeline(DEFENSES.build_list(cfg.get("defenses", []), "defenses"))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    from clients.flower_mods import build_flower_mods
-
-    try:
-        build_flower_mods(cfg["client"]["flower_mods"])
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    from strategies import validate_strategy
-
-    try:
-        validate_strategy(cfg)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    if "attack" in cfg:
-        from attacks.curious import validate_attack_section
-
-        try:
-            validate_attack_section(cfg)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
+    mods = FLOWER_MODS.build_list(cfg["client"]["flower_mods"], "client.flower_mods")
+    observers = OBSERVERS.build_list(cfg["output"]["observers"], "output.observers", cfg=cfg)
+    if cfg.get("attack"):  # [attack] configures the curious server (validated even when enabled = false)
+        curious = OBSERVERS.build_named(CURIOUS_SERVER, cfg["attack"], "attack", cfg=cfg)
+        if cfg["attack"].get("enabled", True) is not False:
+            observers.append(curious)
+    return {"rule": rule, "channel": channel, "transforms": transforms, "defenses": defenses,
+            "flower_mods": mods, "observers": observers}
 
 
 def dump_toml(cfg: Mapping[str, Any]) -> str:

@@ -19,6 +19,8 @@ from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
+from fedsim.protocol import NODE_NUM_PARTITIONS, NODE_PARTITION_ID
+
 
 class InProcessGrid(Grid):
     def __init__(self, client_app: ClientApp, num_nodes: int, run_id: int = 1):
@@ -30,7 +32,7 @@ class InProcessGrid(Grid):
             ids.add(secrets.randbits(62) + 1)
         self.nodes = {nid: pid for pid, nid in enumerate(sorted(ids, key=lambda _: secrets.randbits(32)))}
         self.contexts = {nid: Context(run_id=run_id, node_id=nid,
-                                      node_config={"partition-id": pid, "num-partitions": num_nodes},
+                                      node_config={NODE_PARTITION_ID: pid, NODE_NUM_PARTITIONS: num_nodes},
                                       state=RecordDict(), run_config={}) for nid, pid in self.nodes.items()}
         self._replies: dict[str, Message] = {}
         self._run = None

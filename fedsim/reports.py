@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from fedsim.protocol import TRAIN_LOSS
+
 
 def _jsonable(x: Any) -> Any:
     if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
@@ -50,6 +52,19 @@ def write_json(path: str | Path, obj: Any) -> None:
 
 def write_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
     atomic_write_text(path, "".join(json.dumps(_jsonable(r)) + "\n" for r in rows))
+
+
+def append_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
+    """Append rows to a JSONL file as whole lines (one ``write`` per call, flushed): a reader sees
+    complete lines only, and the file is never rewritten."""
+    text = "".join(json.dumps(_jsonable(r)) + "\n" for r in rows)
+    if not text:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -127,7 +142,7 @@ def write_report(out: Path, cfg: Mapping[str, Any], rows: Sequence[Mapping[str, 
             f"- seed {cfg['seed']}; final accuracy **{summary.get('final_accuracy', float('nan')):.4f}**, "
             f"total {summary.get('seconds', 0):.1f} s, client failures {summary.get('client_failures', 0)}\n",
             "![accuracy](accuracy.png)\n", "## Rounds\n",
-            md_table(rows, ["round", "accuracy", "loss", "train_loss", "replies", "failures", "seconds"],
-                     {"seconds": ".2f", "accuracy": ".4f", "loss": ".4f", "train_loss": ".4f"})]
+            md_table(rows, ["round", "accuracy", "loss", TRAIN_LOSS, "replies", "failures", "seconds"],
+                     {"seconds": ".2f", "accuracy": ".4f", "loss": ".4f", TRAIN_LOSS: ".4f"})]
     text += [s for s in sections if s]
     atomic_write_text(out / "report.md", "\n".join(text))

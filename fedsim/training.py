@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from clients.base import DefenseContext, DefensePipeline
+from fedsim.defense import DefenseContext, DefensePipeline
+from fedsim.protocol import NOISE_VARIANCE, TRAIN_ACCURACY, TRAIN_LOSS
 
 
 def seed_everything(seed: int) -> None:
@@ -171,8 +172,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
     new_state, dmetrics = runner.finish()
     declared = pipeline.noise_variance()  # per-entry variance of noise the defenses added (if declared)
     if declared is not None:
-        dmetrics["noise_variance"] = declared
-    metrics = {"train_loss": total_loss / max(seen, 1), "train_accuracy": total_correct / max(seen, 1),
+        dmetrics[NOISE_VARIANCE] = declared
+    metrics = {TRAIN_LOSS: total_loss / max(seen, 1), TRAIN_ACCURACY: total_correct / max(seen, 1),
                "local_steps": float(len(schedule)), "train_seconds": time.perf_counter() - t0, **dmetrics}
     return TrainResult(weights, len(y), metrics, new_state)
 

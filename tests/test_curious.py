@@ -11,10 +11,11 @@ from conftest import RecordingObserver
 from torch.nn import functional as F
 
 from attacks.curious import CuriousServer, select_truth
-from fedsim.cli import main as cli_main
-from fedsim.config import ConfigError, load_config
+from fedsim.app import load_config
+from fedsim.app.cli import main as cli_main
+from fedsim.app.runner import run_experiment
+from fedsim.config import ConfigError
 from fedsim.reports import read_jsonl
-from fedsim.runner import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "experiments" / "demo.toml"
@@ -57,7 +58,7 @@ def test_simulation_with_curious_server_writes_leakage_outputs(demo_run):
 def test_scorer_recreates_exactly_the_batch_the_victim_trained_on(demo_run):
     """FedSGD: the victim's gradient at the re-created batch equals -update/lr exactly."""
     cfg, _, rec, curious = demo_run
-    from fedsim.client_app import model_for
+    from fedsim.factories import model_for
 
     upd = next(u for u in rec.updates if u.round == 2 and u.client_id == 3)  # any round / client
     x, y = curious.ground_truth(upd)
@@ -74,13 +75,13 @@ def test_scorer_recreates_exactly_the_batch_the_victim_trained_on(demo_run):
 
 def test_victim_and_round_selection(tmp_path):
     base = demo_cfg(tmp_path)
-    c = CuriousServer({**base, "attack": {"name": "idlg", "every": 2, "victims": 3, "seed": 1}})
+    c = CuriousServer.from_config({**base, "attack": {"name": "idlg", "every": 2, "victims": 3, "seed": 1}})
     assert [r for r in range(1, 8) if c.attacks_round(r)] == [1, 3, 5, 7]
     picked = c._chosen_victims(1, list(range(10)))
     assert len(picked) == 3 and picked == c._chosen_victims(1, list(range(10)))  # seeded
-    c = CuriousServer({**base, "attack": {"name": "idlg", "rounds": "all", "victims": "sampled"}})
+    c = CuriousServer.from_config({**base, "attack": {"name": "idlg", "rounds": "all", "victims": "sampled"}})
     assert all(c.attacks_round(r) for r in range(1, 5)) and c._chosen_victims(2, [4, 1]) == [1, 4]
-    c = CuriousServer({**base, "attack": {"name": "idlg", "rounds": [2], "victims": [7, 2]}})
+    c = CuriousServer.from_config({**base, "attack": {"name": "idlg", "rounds": [2], "victims": [7, 2]}})
     assert not c.attacks_round(1) and c.attacks_round(2) and c._chosen_victims(2, [2, 3, 4]) == [2]
 
 
@@ -96,7 +97,7 @@ def test_victim_and_round_selection(tmp_path):
 def test_attack_section_errors_name_the_key(tmp_path, attack, message):
     cfg = demo_cfg(tmp_path)
     cfg["attack"] = attack
-    from fedsim.config import validate
+    from fedsim.app import validate
 
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         validate(cfg)
@@ -122,6 +123,34 @@ def test_oneshot_attack_command_writes_the_same_files(tmp_path, capsys):
     assert "idlg: PSNR" in capsys.readouterr().out
 
 
+def test_oneshot_trains_the_victim_through_the_client_app(tmp_path, monkeypatch):
+    """``fedsim attack`` runs the victim's round through the real ClientApp: its train handler is
+    called once, for client 0, and a Flower mod from the config wraps it (LocalDpMod clipping the
+    update to a tiny norm with heavy Laplace noise stops the attack that succeeds without it)."""
+    import fedsim.app.client as client
+
+    calls = []
+    real = client._train
+
+    def spy(msg, context):
+        calls.append(int(context.node_config["partition-id"]))
+        return real(msg, context)
+
+    monkeypatch.setattr(client, "_train", spy)
+    leak = {}
+    for label, sets in (("plain", []), ("local-dp", ['client.flower_mods=[{name="local-dp", clipping_norm=0.01, '
+                                                     'sensitivity=0.01, epsilon=0.1, delta=1e-5}]'])):
+        argv = ["attack", "--attack", "idlg", "--out", str(tmp_path / label), "--set",
+                "attack.params.idlg.iterations=200"]
+        for s in sets:
+            argv += ["--set", s]
+        assert cli_main(argv) == 0
+        (leak[label],) = read_jsonl(tmp_path / label / "leakage.jsonl")
+    assert calls == [0, 0]
+    assert leak["plain"]["ssim"] > 0.9, leak["plain"]
+    assert leak["local-dp"]["ssim"] < 0.3, leak["local-dp"]
+
+
 def test_oneshot_bad_attack_name_is_a_clear_error(tmp_path, capsys):
     rc = cli_main(["attack", "--attack", "dlgg", "--out", str(tmp_path / "x")])
     assert rc == 2 and "attack.name" in capsys.readouterr().err
@@ -138,11 +167,11 @@ def test_attacker_side_compensation_changes_only_what_the_attack_sees(tmp_path):
     run_experiment(cfg, out=tmp_path / "r", observers=[rec], progress=False)
     upd = next(u for u in rec.updates if u.client_id == 0)
     assert upd.metrics["noise_variance"] == pytest.approx(1e-4)
-    c = CuriousServer(cfg)
+    c = CuriousServer.from_config(cfg)
     seen = c.attack_input(upd)
     raw = dict(zip(upd.param_names, upd.delta()))
     changed = [n for n in raw if not np.allclose(seen.update[n].numpy(), raw[n])]
     assert changed  # the attacker worked on a compensated update
     cfg["attack"]["compensate"] = False
-    plain = CuriousServer(cfg).attack_input(upd)
+    plain = CuriousServer.from_config(cfg).attack_input(upd)
     assert all(np.array_equal(plain.update[n].numpy(), raw[n]) for n in raw)

@@ -9,10 +9,10 @@ import torch
 from opacus.accountants import RDPAccountant
 from torch.nn import functional as F
 
-from clients.base import DefenseContext, DefensePipeline, build_pipeline
 from clients.clipping import DPSGD, ClipGradient, ClipUpdate
 from clients.noise import GaussianNoise, LaplaceNoise
 from clients.pruning import PLD, Compress, GradDropout, Prune
+from fedsim.defense import DefenseContext, DefensePipeline, build_pipeline
 from fedsim.models import build_model
 from fedsim.training import Recipe, local_train, param_names
 
@@ -399,7 +399,7 @@ def test_flower_local_dp_mod_wraps_training_and_clips_plus_noises_the_update(tmp
     """[[client.flower_mods]] runs Flower's LocalDpMod around the ClientApp's train handler."""
     from conftest import RecordingObserver, make_small_cfg
 
-    from fedsim.runner import run_experiment
+    from fedsim.app.runner import run_experiment
 
     def norms(extra):
         cfg = make_small_cfg("federation.rounds=1", f"output.dir='{tmp_path}'", **extra)
@@ -415,7 +415,8 @@ def test_flower_local_dp_mod_wraps_training_and_clips_plus_noises_the_update(tmp
 
 
 def test_flower_mod_config_errors_name_the_key():
-    from fedsim.config import ConfigError, load_config
+    from fedsim.app import load_config
+    from fedsim.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"client\.flower_mods\[0\]\.name"):
         load_config(None, ["client.flower_mods=[{name='nope'}]", "train.local_steps=1"])

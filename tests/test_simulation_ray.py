@@ -6,8 +6,8 @@ import os
 
 import pytest
 
+from fedsim.app.runner import run_experiment
 from fedsim.reports import read_jsonl
-from fedsim.runner import run_experiment
 
 pytestmark = pytest.mark.ray
 

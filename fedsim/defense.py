@@ -1,4 +1,7 @@
-"""The client defense interface and the pipeline that composes defenses in config order.
+"""The client defense interface (a seam of the core) and the pipeline that composes defenses in order.
+
+Defenses themselves are plugins (``clients/``); they subclass :class:`Defense` and register in
+:data:`fedsim.components.DEFENSES`. ``[[defenses]]`` entries are built by :func:`build_pipeline`.
 
 A defense acts at the stage where it belongs (see ``fedsim.training.local_train``):
 
@@ -16,13 +19,14 @@ prefixed with the defense's position and name in the client's reply metrics.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+
+from fedsim.components import DEFENSES
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -72,14 +76,9 @@ class Defense:
         return type(self).compute_gradient is not Defense.compute_gradient
 
 
-DEFENSES: dict[str, type[Defense]] = {}
-
-
 def register(cls: type[Defense]) -> type[Defense]:
-    if not cls.name:
-        raise TypeError(f"{cls.__name__} needs a non-empty `name`")
-    DEFENSES[cls.name] = cls
-    return cls
+    """Class decorator: register a defense under its ``name`` (``[[defenses]] name = ...``)."""
+    return DEFENSES.register(cls)
 
 
 class DefensePipeline:
@@ -145,44 +144,6 @@ class _RoundRunner:
         return state, metrics
 
 
-def defense_params(cls: type[Defense]) -> dict[str, Any]:
-    """Parameter names and defaults accepted by a defense (from its ``__init__`` signature)."""
-    sig = inspect.signature(cls.__init__)
-    return {n: p.default for n, p in list(sig.parameters.items())[1:]
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
-def build_entries(entries: Sequence[Mapping[str, Any]], registry: Mapping[str, type], where: str) -> list[Any]:
-    """Instantiate config entries (tables with ``name`` + constructor parameters) from ``registry``.
-
-    Every error names ``<where>[i].<key>``: unknown name, unknown or missing parameter, bad value.
-    """
-    out = []
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"{where}[{i}] must be a table with a name")
-        name = entry.get("name")
-        if name not in registry:
-            raise ValueError(f"{where}[{i}].name must be one of {sorted(registry)}, got {name!r}")
-        cls = registry[name]
-        allowed = defense_params(cls)
-        params = {k: v for k, v in entry.items() if k != "name"}
-        for k in params:
-            if k not in allowed:
-                raise ValueError(f"{where}[{i}].{k} is not a parameter of {name!r}; "
-                                 f"allowed: {sorted(allowed) or 'none'}")
-        missing = [k for k, v in allowed.items() if v is inspect.Parameter.empty and k not in params]
-        if missing:
-            raise ValueError(f"{where}[{i}] ({name}) needs {missing}")
-        try:
-            out.append(cls(**params))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}[{i}] ({name}): {exc}") from exc
-    return out
-
-
 def build_pipeline(entries: Sequence[Mapping[str, Any]]) -> DefensePipeline:
-    """Instantiate ``[[defenses]]`` entries (dicts with ``name`` and parameters), validating each key."""
-    import clients.registry  # noqa: F401  (registers the built-in defenses)
-
-    return DefensePipeline(build_entries(entries, DEFENSES, "defenses"))
+    """Instantiate ``[[defenses]]`` entries (tables with ``name`` and parameters), validating each key."""
+    return DefensePipeline(DEFENSES.build_list(list(entries), "defenses"))

@@ -1,10 +1,10 @@
-"""``fedsim attack``: attack one client update without running a federation.
+"""``fedsim attack``: attack one client update without running a whole federation.
 
-One exchange, as the curious server would see it in round 1: the server sends the initial global
-model, one client (client 0 of a 1-client IID split, i.e. the training set) trains with the given
-recipe, and the :class:`attacks.curious.CuriousServer` attacks the returned update and scores it.
-Writes the same files as a federated run with ``[attack]`` on: ``config.toml``, ``leakage.jsonl``,
-``reconstruction_<attack>.png``, ``summary.json`` and ``report.md``.
+One round, as the curious server would see it in round 1: the server sends the initial global
+model to one client (client 0 of a ``--clients`` IID split), which trains through the real
+ClientApp (so ``[[defenses]]``, ``[[client.flower_mods]]`` and ``device`` apply exactly as in a
+simulation), and the curious server attacks the returned update and scores it. It runs on the
+in-process grid and writes the same files as a federated run with ``[attack]`` on.
 """
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import argparse
 from pathlib import Path
 from typing import Any, Sequence
 
-from fedsim.config import ConfigError, apply_overrides, defaults, dump_toml, validate
+from fedsim.app import validate
+from fedsim.config import ConfigError, apply_overrides, defaults
+
+VICTIM = 0
 
 
 def oneshot_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -23,7 +26,8 @@ def oneshot_config(args: argparse.Namespace) -> dict[str, Any]:
     cfg["model"].update(name=args.model, activation=args.activation, init=args.init)
     cfg["train"].update(lr=args.lr, batch_size=args.batch_size, local_steps=args.local_steps, local_epochs=None)
     cfg["output"]["observers"] = []
-    cfg["attack"] = {"name": list(args.attack), "rounds": [1], "victims": [0], "seed": args.seed,
+    cfg["simulation"]["backend"] = "inprocess"
+    cfg["attack"] = {"name": list(args.attack), "rounds": [1], "victims": [VICTIM], "seed": args.seed,
                      "device": args.device}
     apply_overrides(cfg, args.set or [])
     validate(cfg)
@@ -31,53 +35,27 @@ def oneshot_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True) -> dict[str, Any]:
-    """Train client 0 once from the seeded initial model and attack its update."""
-    import time
+    """Client 0 trains once from the seeded initial model (through the ClientApp); attack its update."""
+    from fedsim.app.client import client_app
+    from fedsim.app.server import Server
+    from fedsim.config import dump_toml
+    from fedsim.inprocess import InProcessGrid
+    from fedsim.reports import atomic_write_text
 
-    from attacks.curious import CuriousServer
-    from clients.base import build_pipeline
-    from fedsim.client_app import client_data, dataset_for, model_for
-    from fedsim.observers import ClientUpdate
-    from fedsim.reports import atomic_write_text, write_json, write_report
-    from fedsim.server import train_config
-    from fedsim.training import Recipe, evaluate, get_weights, local_train, seed_everything, set_weights
-
-    t0 = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.toml", dump_toml(cfg))
-    seed_everything(cfg["seed"])
-    ds = dataset_for(cfg)
-    model = model_for(cfg)
-    glob = get_weights(model)
-    text = str(train_config(cfg)["fedsim-config"])
-    x, y = client_data(text, 0)
-    res = local_train(model, x, y, Recipe.from_mapping(cfg["train"]), seed=cfg["seed"], round=1, client=0,
-                      pipeline=build_pipeline(cfg["defenses"]), device="cpu", public_data=(ds.x_root, ds.y_root))
-    set_weights(model, res.weights)
-    loss, acc = evaluate(model, ds.x_test, ds.y_test)
-    recipe = Recipe.from_mapping(cfg["train"]).to_mapping()
-    upd = ClientUpdate.create(round=1, client_id=0, node_id=0, global_weights=glob, weights=res.weights,
-                              num_examples=res.num_examples, recipe=recipe, metrics=res.metrics,
-                              param_names=list(model.state_dict().keys()))
-    curious = CuriousServer(cfg)
-    curious.on_start(out)
-    curious.observe(upd)
-    row = {"round": 1, "accuracy": acc, "loss": loss, "seconds": time.perf_counter() - t0, "replies": 1,
-           "failures": 0, "train_loss": res.metrics.get("train_loss")}
-    curious.on_round_end(1, row)
-    summary = {"name": cfg["name"], "rounds": 1, "final_accuracy": acc, "final_loss": loss,
-               "seconds": time.perf_counter() - t0, "client_failures": 0, **curious.on_finish()}
-    write_json(out / "summary.json", summary)
-    write_report(out, cfg, [row], summary, [curious.report_markdown()])
+    server = Server(cfg, out, progress=False, fixed_partitions=[VICTIM])
+    summary = server.run(InProcessGrid(client_app, cfg["federation"]["num_clients"]))
+    rows = [r for obs in server.observers if obs.name == "curious-server" for r in obs.rows]
     if progress:
-        for r in curious.rows:
+        for r in rows:
             print(f"[fedsim] {r['attack']}: PSNR {r['psnr']:.2f} dB  SSIM {r['ssim']:.3f}  label acc "
                   f"{r['label_acc']:.2f}  {r['iterations']} it  {r['seconds']:.1f}s")
     return summary
 
 
 def _cmd_attack(args: argparse.Namespace) -> int:
-    from fedsim.client_app import dataset_for
+    from fedsim.factories import dataset_for
     from fedsim.reports import new_run_dir
 
     cfg = oneshot_config(args)

@@ -1,4 +1,4 @@
-"""The ``fedsim`` command line."""
+"""The ``fedsim`` command line (composition root)."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +7,8 @@ from pathlib import Path
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fedsim.config import load_config
-    from fedsim.runner import run_experiment
+    from fedsim.app import load_config
+    from fedsim.app.runner import run_experiment
 
     cfg = load_config(args.config, args.set or [])
     if args.backend:
@@ -19,7 +19,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from fedsim.sweep import run_sweep
+    from fedsim.app.sweep import run_sweep
 
     out = run_sweep(args.config, args.set or [], out=args.out, progress=not args.quiet, only=args.only or [])
     print(f"[fedsim] sweep results in {out}  (report: {Path(out) / 'report.md'})")
@@ -72,14 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-v", "--verbose", action="store_true", help="show where each dataset is read from")
     d.set_defaults(func=_cmd_datasets)
 
-    from attacks.oneshot import add_attack_command
+    from fedsim.app.attack import add_attack_command
 
     add_attack_command(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fedsim.config import ConfigError
+    from fedsim.components import ConfigError
     from fedsim.data import DatasetUnavailable
 
     args = build_parser().parse_args(argv)

@@ -13,26 +13,18 @@ import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
-from fedsim.config import ConfigError, dump_toml
-from fedsim.observers import Observer, UpdateNormObserver
+from fedsim.app import build_components
+from fedsim.config import dump_toml
+from fedsim.factories import dataset_for, model_for
+from fedsim.observers import Observer
 from fedsim.reports import atomic_write_text, new_run_dir
 
 log = logging.getLogger("fedsim")
 
-OBSERVERS = {"update-norms": UpdateNormObserver}
-
 
 def build_observers(cfg: dict[str, Any]) -> list[Observer]:
-    obs: list[Observer] = []
-    for name in cfg["output"]["observers"]:
-        if name not in OBSERVERS:
-            raise ConfigError(f"output.observers: unknown observer {name!r}; allowed: {sorted(OBSERVERS)}")
-        obs.append(OBSERVERS[name]())
-    if cfg.get("attack", {}).get("enabled", bool(cfg.get("attack"))):
-        from attacks.curious import CuriousServer
-
-        obs.append(CuriousServer.from_config(cfg))
-    return obs
+    """The observers the config asks for (``output.observers``, plus the curious server for ``[attack]``)."""
+    return build_components(cfg)["observers"]
 
 
 def quiet_logs() -> None:
@@ -59,8 +51,6 @@ def _backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
 def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers: Sequence[Observer] | None = None,
                    progress: bool = True) -> Path:
     """Run a validated config; returns the run folder (written only once the inputs are checked)."""
-    from fedsim.client_app import dataset_for, model_for
-
     dataset_for(cfg)  # raises DatasetUnavailable (with instructions) before any folder is made
     model_for(cfg)  # architecture/data mismatches surface here too
     observers = build_observers(cfg) if observers is None else list(observers)
@@ -81,9 +71,9 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
 
 
 def _run_inprocess(cfg, run_dir, observers, progress) -> None:
-    from fedsim.client_app import client_app
+    from fedsim.app.client import client_app
+    from fedsim.app.server import run_server
     from fedsim.inprocess import InProcessGrid
-    from fedsim.server import run_server
 
     run_server(InProcessGrid(client_app, cfg["federation"]["num_clients"]), cfg, run_dir, observers, progress)
 
@@ -92,8 +82,8 @@ def _run_ray(cfg, run_dir, observers, progress) -> None:
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
-    from fedsim.client_app import client_app
-    from fedsim.server import run_server
+    from fedsim.app.client import client_app
+    from fedsim.app.server import run_server
 
     errors: list[BaseException] = []
     server_app = ServerApp()

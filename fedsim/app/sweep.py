@@ -22,7 +22,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedsim.config import ConfigError, _merge, apply_overrides, defaults, read_toml, validate
+from fedsim.app import validate
+from fedsim.config import ConfigError, _merge, apply_overrides, defaults, read_toml
 from fedsim.reports import atomic_write_text, md_table, new_run_dir, read_jsonl, write_jsonl
 
 
@@ -102,7 +103,7 @@ def variant_row(label: str, run_dir: Path) -> dict[str, Any]:
 
 def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None,
               progress: bool = True, only: Sequence[str] = ()) -> Path:
-    from fedsim.runner import run_experiment
+    from fedsim.app.runner import run_experiment
 
     base, variants = load_sweep(path, overrides, only)
     out_dir = Path(out) if out else new_run_dir(base["output"]["dir"], base.get("name", "sweep"))

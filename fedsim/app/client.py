@@ -1,0 +1,143 @@
+"""The fedsim ClientApp (Flower Message API).
+
+Stateless apart from Flower's per-node ``Context.state``: the server sends the resolved fedsim
+config (JSON) with every message, so the same ClientApp serves ``fedsim run`` (``run_simulation``),
+``flwr run .``, ``fedsim attack`` and the in-process grid. Data and partitions are loaded once per
+process (cached).
+
+Messages handled (names in :mod:`fedsim.protocol`):
+
+* ``QUERY``: reply with the node's partition id.
+* ``CHANNEL_SETUP``: one step of the channel's setup exchange (e.g. key agreement), answered by the
+  channel's client half.
+* ``TRAIN``: the channel decodes the global model; local SGD through the defense pipeline (wrapped
+  by the configured Flower mods); the channel encodes the new model. The reply carries it with
+  ``num-examples``, ``partition-id`` and training/defense metrics. State that must persist
+  (residuals, keys) is kept in ``Context.state`` and never put in a reply.
+* ``EVALUATE``: the channel decodes the global model; reply with its loss and accuracy on the
+  common test split (used when the server cannot read the model).
+"""
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from functools import lru_cache
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedsim.app import load_plugins
+from fedsim.components import CLIENT_CHANNELS, FLOWER_MODS
+from fedsim.defense import build_pipeline
+from fedsim.factories import client_data, dataset_for, model_for
+from fedsim.protocol import (
+    CONFIG,
+    EVAL_ACCURACY,
+    EVAL_EXAMPLES,
+    EVAL_LOSS,
+    FEDSIM_CONFIG,
+    METRICS,
+    NODE_PARTITION_ID,
+    NUM_EXAMPLES,
+    PARTITION_ID,
+    SERVER_ROUND,
+    STATE_DEFENSES,
+)
+from fedsim.seams import ClientChannel
+from fedsim.training import Recipe, derive_seed, evaluate, local_train, resolve_device, set_weights
+
+load_plugins()
+
+client_app = ClientApp()
+
+Handler = Callable[[Message, Context], Message]
+
+
+@lru_cache(maxsize=4)
+def parse_config(text: str) -> dict[str, Any]:
+    return json.loads(text)
+
+
+def config_of(msg: Message) -> dict[str, Any]:
+    return parse_config(str(msg.content[CONFIG][FEDSIM_CONFIG]))
+
+
+def channel_for(cfg: dict[str, Any]) -> ClientChannel:
+    """The client half of the configured channel."""
+    name = (cfg.get("channel") or {}).get("name", "plain")
+    return CLIENT_CHANNELS.lookup(name, "channel.name")(cfg)
+
+
+def wrap(handler: Handler, mods: Sequence[Callable]) -> Handler:
+    """``handler`` wrapped by Flower mods (``mod(msg, context, call_next)``), first mod outermost."""
+    for mod in reversed(list(mods)):
+        handler = (lambda m, nxt: lambda msg, ctx: m(msg, ctx, nxt))(mod, handler)
+    return handler
+
+
+def _partition_id(context: Context) -> int:
+    return int(context.node_config[NODE_PARTITION_ID])
+
+
+@client_app.query()
+def query(msg: Message, context: Context) -> Message:
+    pid = _partition_id(context)
+    return Message(RecordDict({METRICS: MetricRecord({PARTITION_ID: pid})}), reply_to=msg)
+
+
+@client_app.query("channel")
+def channel_setup(msg: Message, context: Context) -> Message:
+    return Message(channel_for(config_of(msg)).handshake(msg, context), reply_to=msg)
+
+
+@client_app.train()
+def train(msg: Message, context: Context) -> Message:
+    """Local training, wrapped by the Flower mods the config names (``[[client.flower_mods]]``)."""
+    cfg = config_of(msg)
+    mods = FLOWER_MODS.build_list(cfg.get("client", {}).get("flower_mods", []), "client.flower_mods")
+    return wrap(_train, mods)(msg, context) if mods else _train(msg, context)
+
+
+def _train(msg: Message, context: Context) -> Message:
+    conf = msg.content[CONFIG]
+    cfg = config_of(msg)
+    pid = _partition_id(context)
+    rnd = int(conf[SERVER_ROUND])
+    channel = channel_for(cfg)
+    x, y = client_data(cfg, pid)
+    torch.manual_seed(derive_seed(cfg["seed"], rnd, pid, 0x11))
+    model = model_for(cfg)
+    names = list(model.state_dict().keys())
+    set_weights(model, channel.decode(msg.content, context, names))
+    state = {}
+    if STATE_DEFENSES in context.state:
+        state = {k: v.numpy() for k, v in context.state[STATE_DEFENSES].items()}
+    pipeline = build_pipeline(cfg.get("defenses", []))
+    ds = dataset_for(cfg)
+    res = local_train(model, x, y, Recipe.from_mapping(cfg["train"]), seed=cfg["seed"], round=rnd, client=pid,
+                      pipeline=pipeline, state=state, device=resolve_device(cfg.get("device", "auto")),
+                      public_data=(ds.x_root, ds.y_root))
+    if res.state:
+        context.state[STATE_DEFENSES] = ArrayRecord(OrderedDict((k, Array(np.ascontiguousarray(v)))
+                                                                for k, v in res.state.items()))
+    metrics = {NUM_EXAMPLES: res.num_examples, PARTITION_ID: pid,
+               **{k: float(v) for k, v in res.metrics.items()}}
+    return Message(RecordDict({**channel.encode(res.weights, names, context), METRICS: MetricRecord(metrics)}),
+                   reply_to=msg)
+
+
+@client_app.evaluate()
+def evaluate_global(msg: Message, context: Context) -> Message:
+    """The global model's loss and accuracy on the common test split (the channel decodes it)."""
+    cfg = config_of(msg)
+    model = model_for(cfg)
+    names = list(model.state_dict().keys())
+    set_weights(model, channel_for(cfg).decode(msg.content, context, names))
+    ds = dataset_for(cfg)
+    loss, acc = evaluate(model, ds.x_test, ds.y_test, resolve_device(cfg.get("device", "auto")))
+    return Message(RecordDict({METRICS: MetricRecord({EVAL_LOSS: loss, EVAL_ACCURACY: acc,
+                                                      EVAL_EXAMPLES: len(ds.y_test),
+                                                      PARTITION_ID: _partition_id(context)})}), reply_to=msg)

@@ -1,0 +1,262 @@
+"""Registries of pluggable components and the one mechanism that validates and builds them.
+
+Every configurable component - aggregation rules, channels, server transforms, client defenses,
+Flower mods, attacks, observers - declares its parameters once, as the keyword parameters of its
+``__init__`` (with defaults and type annotations). :meth:`Registry.build` checks a config entry
+against that declaration and constructs the component; every error is a :class:`ConfigError`
+naming the key (``defenses[0].ratio``, ``strategy.mu``, ``attack.victims``, ...).
+
+The core never imports a plugin package: plugins register themselves here when they are imported,
+and the composition root (``fedsim.app``) imports the built-in plugin packages. A name may also be
+an import reference ``"package.module:attribute"`` to a user's own class (it must be a subclass of
+the registry's base class).
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+import types
+import typing
+from typing import Any, Callable, Mapping, Sequence
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or out of range; the message names the key."""
+
+
+_EMPTY = inspect.Parameter.empty
+
+
+def _hints(func: Callable) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(func)
+    except Exception:  # noqa: BLE001 - an unresolvable annotation only disables type checks
+        return {}
+
+
+def declared_params(cls: type, hidden: Sequence[str] = ()) -> dict[str, inspect.Parameter]:
+    """Keyword parameters a class accepts, following ``**kwargs`` up its bases (first declaration wins).
+
+    The returned parameters carry resolved annotations (``Parameter.annotation``) where they resolve.
+    """
+    out: dict[str, inspect.Parameter] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if init is object.__init__:
+            break
+        hints = _hints(init)
+        more = False
+        for p in list(inspect.signature(init).parameters.values())[1:]:
+            if p.kind is p.VAR_KEYWORD:
+                more = True
+            elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in out \
+                    and p.name not in hidden:
+                out[p.name] = p.replace(annotation=hints.get(p.name, _EMPTY))
+        if not more:
+            break
+    return out
+
+
+def _scalar_types(annotation: Any) -> tuple[set[type], bool] | None:
+    """(allowed scalar types, None allowed) for annotations built from int/float/bool/str/None only."""
+    if annotation is _EMPTY or annotation is Any:
+        return None
+    args = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or \
+        typing.get_origin(annotation) is typing.Union else (annotation,)
+    allowed, nullable = set(), False
+    for a in args:
+        if a is type(None):
+            nullable = True
+        elif a in (int, float, bool, str):
+            allowed.add(a)
+        else:
+            return None  # a collection or another type: the component checks it
+    return allowed, nullable
+
+
+_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def check_value(key: str, value: Any, annotation: Any) -> None:
+    """Type check of one parameter against a scalar annotation; numbers must be finite."""
+    spec = _scalar_types(annotation)
+    if spec is None:
+        return
+    allowed, nullable = spec
+    if value is None:
+        if not nullable:
+            raise ConfigError(f"{key} must be set")
+        return
+    if isinstance(value, bool):
+        ok = bool in allowed
+    elif isinstance(value, int):
+        ok = int in allowed or float in allowed
+    elif isinstance(value, float):
+        ok = float in allowed
+    else:
+        ok = type(value) in allowed
+    if not ok:
+        names = " or ".join(_NAMES[t] for t in (int, float, bool, str) if t in allowed)
+        if allowed == {int, float}:
+            names = "a number"
+        raise ConfigError(f"{key} must be {names}{' or unset' if nullable else ''}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {value!r}")
+
+
+def resolve_reference(ref: str, what: str) -> Any:
+    """``"package.module:attribute"`` -> the attribute (a user's own plugin)."""
+    mod, _, attr = ref.partition(":")
+    try:
+        obj = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"{what}: cannot import {ref!r} ({type(exc).__name__}: {exc})") from None
+    return obj
+
+
+class Registry:
+    """Named component classes of one kind (``kind`` is how errors call them: 'defense', 'strategy', ...).
+
+    ``hidden`` parameters are supplied by the code that builds the component, never by a config.
+    """
+
+    def __init__(self, kind: str, base: type | None = None, hidden: Sequence[str] = ()):
+        self.kind, self.base, self.hidden = kind, base, tuple(hidden)
+        self._classes: dict[str, type] = {}
+
+    # ---- registration --------------------------------------------------------------------------
+    def register(self, cls: type | None = None, *, name: str | None = None):
+        """Class decorator (``@REG.register`` uses ``cls.name``; ``@REG.register(name="x")``)."""
+
+        def add(c: type) -> type:
+            key = name or getattr(c, "name", "")
+            if not key:
+                raise TypeError(f"{c.__name__} needs a non-empty `name` to be registered as a {self.kind}")
+            self._classes[key] = c
+            return c
+
+        return add(cls) if cls is not None else add
+
+    def add(self, name: str, cls: type) -> type:
+        self._classes[name] = cls
+        return cls
+
+    def remove(self, name: str) -> None:
+        self._classes.pop(name, None)
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and (name in self._classes or ":" in name)
+
+    def __iter__(self):
+        return iter(self.names())
+
+    def __getitem__(self, name: str) -> type:
+        return self._classes[name]
+
+    def __setitem__(self, name: str, cls: type) -> None:  # tests plug test-only components in
+        self._classes[name] = cls
+
+    def __delitem__(self, name: str) -> None:
+        del self._classes[name]
+
+    def items(self):
+        return self._classes.items()
+
+    # ---- lookup, validation, construction ---------------------------------------------------------
+    def get(self, name: str, default: Any = None) -> Any:  # dict-like
+        return self._classes.get(name, default)
+
+    def lookup(self, name: Any, where: str) -> type:
+        """The class registered as ``name`` (or imported from ``"module:attr"``); errors name ``where``."""
+        if isinstance(name, str) and name in self._classes:
+            return self._classes[name]
+        if isinstance(name, str) and ":" in name:
+            cls = resolve_reference(name, where)
+            if not isinstance(cls, type) or (self.base is not None and not issubclass(cls, self.base)):
+                base = f" a subclass of {self.base.__module__}.{self.base.__qualname__}" if self.base else " a class"
+                raise ConfigError(f"{where}: {name!r} must name{base}")
+            return cls
+        if not self._classes:
+            raise ConfigError(f"{where}: no {self.kind} is registered (load fedsim's plugins through fedsim.app)")
+        raise ConfigError(f"{where} must be one of {self.names()}, got {name!r}")
+
+    def params(self, cls: type) -> dict[str, inspect.Parameter]:
+        return declared_params(cls, self.hidden)
+
+    def check(self, entry: Mapping[str, Any], where: str, name_key: str = "name") -> tuple[type, dict[str, Any]]:
+        """Validate an entry's name and parameter names/types; returns (class, parameters)."""
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{where} must be a table with a {name_key}")
+        name = entry.get(name_key)
+        cls = self.lookup(name, f"{where}.{name_key}")
+        params = {k: v for k, v in entry.items() if k != name_key}
+        self.check_params(cls, name, params, where)
+        return cls, params
+
+    def check_params(self, cls: type, name: Any, params: Mapping[str, Any], where: str) -> None:
+        allowed = self.params(cls)
+        for k, v in params.items():
+            if k not in allowed:
+                raise ConfigError(f"{where}.{k} is not a parameter of {self.kind} {name!r}; "
+                                  f"allowed: {sorted(allowed) or 'none'}")
+            check_value(f"{where}.{k}", v, allowed[k].annotation)
+        missing = [k for k, p in allowed.items() if p.default is _EMPTY and k not in params]
+        if missing:
+            raise ConfigError(f"{where} ({name}) needs {missing}")
+
+    def build(self, entry: Mapping[str, Any], where: str, name_key: str = "name", **context: Any) -> Any:
+        """Validate and construct an entry ``{name_key: name, **parameters}``."""
+        cls, params = self.check(entry, where, name_key)
+        return self._construct(cls, entry.get(name_key), params, where, context)
+
+    def build_named(self, name: str, params: Mapping[str, Any], where: str, **context: Any) -> Any:
+        """Validate and construct ``name`` with ``params`` (a section whose keys are all parameters)."""
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"{where} must be a table")
+        cls = self.lookup(name, where)
+        self.check_params(cls, name, params, where)
+        return self._construct(cls, name, dict(params), where, context)
+
+    def _construct(self, cls: type, name: Any, params: dict[str, Any], where: str, context: Mapping[str, Any]) -> Any:
+        """Construct; context items are passed when the class declares them. A ``ValueError`` or
+        ``TypeError`` from the constructor becomes a ConfigError naming ``where``."""
+        accepted = declared_params(cls)
+        try:
+            return cls(**params, **{k: v for k, v in context.items() if k in accepted})
+        except ConfigError:
+            raise
+        except (TypeError, ValueError) as exc:
+            msg = str(exc)
+            head = where.split("[")[0].split(".")[0]
+            raise ConfigError(msg if msg.startswith((head + ".", where)) else f"{where} ({name}): {msg}") from exc
+
+    def build_list(self, entries: Any, where: str, **context: Any) -> list[Any]:
+        """``[[section]]`` entries in order (names may also be given as plain strings)."""
+        if not isinstance(entries, list):
+            raise ConfigError(f"{where} must be a list of tables ([[{where}]] with name = ...)")
+        out = []
+        for i, e in enumerate(entries):
+            e = {"name": e} if isinstance(e, str) else e
+            if not isinstance(e, Mapping):
+                raise ConfigError(f"{where} must be a list of tables ([[{where}]] with name = ...)")
+            out.append(self.build(e, f"{where}[{i}]", **context))
+        return out
+
+
+# ---- the registries (the seams plugins plug into) ----------------------------------------------------
+STRATEGIES = Registry("strategy")  # aggregation rules (strategies/)
+CHANNELS = Registry("channel")  # server halves of channels (strategies/)
+CLIENT_CHANNELS = Registry("client channel", hidden=("cfg",))  # client halves of channels (clients/)
+TRANSFORMS = Registry("server transform")  # server transforms (strategies/)
+DEFENSES = Registry("defense")  # client defenses (clients/)
+FLOWER_MODS = Registry("Flower mod")  # Flower client mods (clients/)
+ATTACKS = Registry("attack")  # gradient-leakage attacks (attacks/)
+OBSERVERS = Registry("observer", hidden=("cfg",))  # observers at the interception point (core and attacks/)

@@ -1,0 +1,242 @@
+"""The server side's three seams, and the plain channel.
+
+A round on the server is composed of three separately configured concerns (docs/architecture.md):
+
+* the **aggregation rule** (``[strategy]``, :class:`AggregationRule`): how client contributions become
+  the next global model (FedAvg's example-weighted mean; FedBoosting's cross-validated weights; ...);
+* the **channel** (``[channel]``, :class:`ServerChannel` + :class:`ClientChannel`): how models travel -
+  encoded on the client, combined on the server, decoded where the key lives (plain arrays; Paillier
+  ciphertexts; Flower's SecAgg+ masked sums);
+* **server transforms** (``[[transforms]]``, :class:`ServerTransform`): wrapped around the rule -
+  before the global model is sent and after the aggregate is formed (seed 000's update
+  compensation; seed 002's lossless perturbation).
+
+Each component says what it needs from the channel (``requires``) and each channel what it gives the
+server (``provides``); :func:`check_compatible` refuses, at config time, a combination that cannot
+work (e.g. a transform that needs the plaintext aggregate under an encrypted channel).
+
+Plugins implement these classes and register them in :mod:`fedsim.components`; this module imports
+no plugin.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+from flwr.app import Context, Message, RecordDict
+
+from fedsim.components import CHANNELS, CLIENT_CHANNELS, ConfigError
+from fedsim.protocol import ARRAYS, arrays_record
+
+if TYPE_CHECKING:  # pragma: no cover
+    from fedsim.rounds import Reply, RoundContext
+
+# ---- what a channel gives the server
+INDIVIDUAL = "each client's model in plaintext"
+WEIGHTED_SUM = "weighted sums of client models"
+PLAINTEXT_AGGREGATE = "the aggregate in plaintext"
+
+Arrays = list[np.ndarray]
+
+
+class ChannelError(RuntimeError):
+    """A client's channel payload is unusable (corrupted, wrong key, wrong size): that client's failure."""
+
+
+# ============================================================================= aggregation rules
+class AggregationRule:
+    """How the round's client contributions become the next global model."""
+
+    name: ClassVar[str] = ""
+    #: what the rule needs from the channel
+    requires: ClassVar[frozenset[str]] = frozenset({INDIVIDUAL, PLAINTEXT_AGGREGATE})
+
+    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
+        """Called once before round 1."""
+
+    def configure_train(self, server_round: int, config: dict[str, Any]) -> None:
+        """Add rule-specific keys to the round's train config (e.g. FedProx's proximal term)."""
+
+    def aggregate(self, ctx: RoundContext, replies: list[Reply]) -> Any:
+        """The next global state (in the channel's representation) from the round's valid replies."""
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        """What the rule did this round (logged in metrics.jsonl under ``strategy.<key>``)."""
+        return {}
+
+
+class WeightedSumRule(AggregationRule):
+    """A rule whose aggregate is a weighted mean of the client models: works under every channel."""
+
+    requires = frozenset({WEIGHTED_SUM})
+
+    def weights(self, ctx: RoundContext, replies: list[Reply]) -> list[float]:
+        raise NotImplementedError
+
+    def aggregate(self, ctx: RoundContext, replies: list[Reply]) -> Any:
+        w = self.weights(ctx, replies)
+        ctx.weights = list(w)
+        return ctx.channel.weighted_mean(replies, w)
+
+
+# ============================================================================= server transforms
+class ServerTransform:
+    """Wrapped around the aggregation rule: ``before_send`` in config order, ``after_aggregate`` in
+    reverse order (the first transform is the outermost)."""
+
+    name: ClassVar[str] = ""
+    requires: ClassVar[frozenset[str]] = frozenset({PLAINTEXT_AGGREGATE})
+
+    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
+        """Called once before round 1."""
+
+    def before_send(self, server_round: int, arrays: Arrays) -> Arrays:
+        """The model the clients receive this round (default: unchanged)."""
+        return arrays
+
+    def message_extras(self, server_round: int) -> dict[str, Any]:
+        """Extra records for this round's train messages (default: none)."""
+        return {}
+
+    def after_aggregate(self, ctx: RoundContext, aggregate: Arrays) -> Arrays:
+        """The next global model from the rule's aggregate (default: unchanged)."""
+        return aggregate
+
+    def metrics(self) -> dict[str, float]:
+        """What the transform did this round (logged as ``<name>.<key>``)."""
+        return {}
+
+
+# ============================================================================= channels
+class ServerChannel:
+    """The server half of a channel. The global *state* is whatever the channel holds between rounds:
+    plaintext arrays for the plain channel, a ciphertext for an encrypted one."""
+
+    name: ClassVar[str] = ""
+    provides: ClassVar[frozenset[str]] = frozenset()
+
+    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
+        """Called once before the first exchange."""
+
+    def handshake(self, ctx: RoundContext) -> None:
+        """Exchanges before round 1 (key agreement, key delivery). Default: none."""
+
+    def initial(self, arrays: Arrays) -> Any:
+        """The state for the (public) initial model."""
+        return arrays
+
+    def outgoing(self, state: Any) -> dict[str, Any]:
+        """Records that carry the global state to a client (train and evaluate messages)."""
+        raise NotImplementedError
+
+    def accept(self, reply: Reply) -> None:
+        """Check a reply's payload; raise :class:`ChannelError` if it is unusable."""
+
+    def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> Any:
+        """The weighted mean of the replies' models, as a state."""
+        raise NotImplementedError
+
+    def plaintext(self, state: Any) -> Arrays | None:
+        """The state as plaintext arrays, or None when the server cannot read it."""
+        return None
+
+    def client_view(self, reply: Reply) -> dict[str, Any]:
+        """What an observer may see of one reply: ``weights`` (lazy) or ``payload`` + ``kind``."""
+        raise NotImplementedError
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+class ClientChannel:
+    """The client half of a channel (runs inside the ClientApp)."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, cfg: Mapping[str, Any]):
+        self.cfg = cfg
+
+    def handshake(self, msg: Message, context: Context) -> RecordDict:
+        """Answer one of the channel's setup exchanges (content of the reply)."""
+        raise ValueError(f"channel {self.name!r} has no setup exchange")
+
+    def decode(self, content: RecordDict, context: Context, param_names: Sequence[str]) -> Arrays:
+        """The global model (plaintext) from a server message."""
+        raise NotImplementedError
+
+    def encode(self, arrays: Arrays, param_names: Sequence[str], context: Context) -> dict[str, Any]:
+        """Records carrying this client's model to the server."""
+        raise NotImplementedError
+
+
+# ---- the plain channel ---------------------------------------------------------------------------
+@CHANNELS.register
+class PlainChannel(ServerChannel):
+    """Models travel as plaintext ArrayRecords; the server reads everything."""
+
+    name = "plain"
+    provides = frozenset({INDIVIDUAL, WEIGHTED_SUM, PLAINTEXT_AGGREGATE})
+
+    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
+        self.names = list(param_names)
+
+    def outgoing(self, state: Arrays) -> dict[str, Any]:
+        return {ARRAYS: arrays_record(self.names, state)}
+
+    def accept(self, reply: Reply) -> None:
+        if ARRAYS not in reply.message.content.array_records:
+            raise ChannelError("the reply carries no model arrays")
+        got = list(reply.message.content[ARRAYS].keys())
+        if got != self.names:
+            raise ChannelError(f"the reply's arrays {got[:4]}... do not match the model's {self.names[:4]}...")
+
+    def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> Arrays:
+        """``sum_i (w_i / W) x_i``, accumulated in reply order in the arrays' dtype - the same arithmetic
+        as Flower's ``aggregate_arrayrecords`` (tested bit for bit), on the already decoded arrays."""
+        total = float(sum(weights))
+        out: Arrays | None = None
+        for r, w in zip(replies, weights):
+            f = float(w) / total
+            if out is None:
+                out = [a * f for a in r.arrays]
+            else:
+                for acc, a in zip(out, r.arrays):
+                    acc += a * f
+        return [np.asarray(a) for a in out or []]
+
+    def plaintext(self, state: Arrays) -> Arrays:
+        return state
+
+    def client_view(self, reply: Reply) -> dict[str, Any]:
+        return {"kind": "individual", "weights": lambda: reply.arrays}
+
+
+@CLIENT_CHANNELS.register
+class PlainClientChannel(ClientChannel):
+    name = "plain"
+
+    def decode(self, content: RecordDict, context: Context, param_names: Sequence[str]) -> Arrays:
+        return content[ARRAYS].to_numpy_ndarrays()
+
+    def encode(self, arrays: Arrays, param_names: Sequence[str], context: Context) -> dict[str, Any]:
+        return {ARRAYS: arrays_record(param_names, arrays)}
+
+
+# ============================================================================= compatibility
+def check_compatible(channel: type[ServerChannel], rule: type[AggregationRule],
+                     transforms: Sequence[tuple[str, type[ServerTransform]]]) -> None:
+    """Refuse a rule or transform that needs something the channel does not give the server."""
+    gives = channel.provides
+    compatible = lambda need: sorted(n for n, c in CHANNELS.items() if need <= c.provides)  # noqa: E731
+    missing = rule.requires - gives
+    if missing:
+        raise ConfigError(f"strategy.name = {rule.name!r} needs {', '.join(sorted(missing))}, which channel "
+                          f"{channel.name!r} does not give the server; channels it works with: "
+                          f"{compatible(rule.requires)}")
+    for where, t in transforms:
+        missing = t.requires - gives
+        if missing:
+            raise ConfigError(f"{where} ({t.name}) needs {', '.join(sorted(missing))}, which channel "
+                              f"{channel.name!r} does not give the server; channels it works with: "
+                              f"{compatible(t.requires)}")
