@@ -177,9 +177,9 @@ def span_inversion(prev_first: Layer, new_first: Layer, own_inputs: torch.Tensor
         raise ValueError("span_inversion needs a first layer with a bias (it fixes the scale)")
     A = torch.cat([pw, pb[:, None]], 1).double()
     B = torch.cat([nw, nb[:, None]], 1).double()
-    keep = torch.ones(len(A), dtype=torch.bool)
+    keep = torch.ones(len(A), dtype=torch.bool, device=A.device)
     if own_inputs is not None and len(own_inputs):
-        pre = F.linear(own_inputs.reshape(len(own_inputs), -1).double(), pw.double(), pb.double())
+        pre = F.linear(own_inputs.reshape(len(own_inputs), -1).to(A.device).double(), pw.double(), pb.double())
         keep &= ~(pre > 0).any(0)  # sign(r_i z) = sign(z): the attacker sees its own activation pattern
     An = A / A.norm(dim=1, keepdim=True).clamp_min(1e-300)
     Bn = B / B.norm(dim=1, keepdim=True).clamp_min(1e-300)
@@ -190,10 +190,11 @@ def span_inversion(prev_first: Layer, new_first: Layer, own_inputs: torch.Tensor
         raise ValueError(f"span_inversion needs at least 2 moved rows free of the attacker's own examples, "
                          f"found {len(rows)}")
     d = A.shape[1]
-    M = torch.zeros(d, d, dtype=torch.float64)
+    eye = torch.eye(d, dtype=torch.float64, device=A.device)
+    M = torch.zeros(d, d, dtype=torch.float64, device=A.device)
     for i in rows.tolist():
         Q, _ = torch.linalg.qr(torch.stack([A[i], B[i]], 1))
-        M += torch.eye(d, dtype=torch.float64) - Q @ Q.T
+        M += eye - Q @ Q.T
     evals, evecs = torch.linalg.eigh(M)
     z = evecs[:, 0]
     if abs(float(z[-1])) < 1e-12:

@@ -56,7 +56,7 @@ def layer_features(layers: Sequence[Layer], x: torch.Tensor, labels: torch.Tenso
                              f"this one has {len(outs)}")
         picked = {"last": [outs[-1]], "second": [outs[-2]], "third": [outs[-3]], "last3": outs[-3:]}[which]
         onehot = F.one_hot(labels.long().to(out.device), num_classes).to(out.dtype)
-        return torch.cat([*picked, onehot], dim=1).float()
+        return torch.cat([*picked, onehot], dim=1).float().cpu()  # the attack model trains on the CPU
 
 
 class AttackModel(nn.Module):

@@ -152,7 +152,7 @@ def fc_spec(model: nn.Module) -> FCSpec:
                              "only ReLU and LeakyReLU)")
     if not linears:
         raise ValueError("model is not supported by lossless perturbation: it has no nn.Linear layer")
-    if expect_act is False:
+    if not expect_act:
         raise ValueError("model is not supported by lossless perturbation: its output passes through an "
                          "activation; the last layer must be a plain Linear (eq. 3)")
     if len(set(slopes)) > 1:
