@@ -273,13 +273,29 @@ MOVED = {
 }
 
 
+def client_pipeline(cfg: Mapping[str, Any], transforms: Sequence[Any] | None = None) -> Any:
+    """The clients' defense pipeline: what the server transforms require of every client, then
+    ``[[defenses]]`` in order."""
+    from fedsim.defense import DefensePipeline
+
+    if transforms is None:
+        transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
+    required = [e for t in transforms for e in t.client_defenses()]
+    try:
+        return DefensePipeline(DEFENSES.build_list(required, "defenses required by the transforms")
+                               + DEFENSES.build_list(cfg.get("defenses", []), "defenses"))
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
 def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Validate every component section through its registry and build the components (one mechanism).
 
     Returns ``rule``, ``channel``, ``transforms``, ``defenses``, ``flower_mods``, ``observers`` (the
     curious server last, when ``[attack]`` is set). Raises :class:`ConfigError` naming the key.
     """
-    from fedsim.defense import DefensePipeline
     from fedsim.seams import check_compatible
 
     strategy = dict(cfg["strategy"])
@@ -291,12 +307,11 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
     transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
     check_compatible(type(channel), type(rule),
                      [(f"transforms[{i}]", type(t)) for i, t in enumerate(transforms)])
-    try:
-        defenses = DefensePipeline(DEFENSES.build_list(cfg.get("defenses", []), "defenses"))
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
+    defenses = client_pipeline(cfg, transforms)
     mods = FLOWER_MODS.build_list(cfg["client"]["flower_mods"], "client.flower_mods")
     observers = OBSERVERS.build_list(cfg["output"]["observers"], "output.observers", cfg=cfg)
+    implied = [e for d in defenses.defenses for e in d.server_observers()]
+    observers += OBSERVERS.build_list(implied, "observers implied by the defenses", cfg=cfg)
     if cfg.get("attack"):  # [attack] configures the curious server (validated even when enabled = false)
         curious = OBSERVERS.build_named(CURIOUS_SERVER, cfg["attack"], "attack", cfg=cfg)
         if cfg["attack"].get("enabled", True) is not False:

@@ -42,15 +42,41 @@ class DefenseContext:
     device: torch.device = torch.device("cpu")
     public_data: tuple[torch.Tensor, torch.Tensor] | None = None  # the public root split, when needed
     num_examples: int = 0  # size of the client's local training set (DP-SGD's sample rate); 0 = unknown
+    incoming: Mapping[str, np.ndarray] = field(default_factory=dict)  # extra arrays the server sent (EXTRAS)
 
 
 class Defense:
-    """Base class. Subclasses set ``name`` and accept their parameters as keyword arguments."""
+    """Base class. Subclasses set ``name`` and accept their parameters as keyword arguments.
+
+    Stages, in the order ``fedsim.training.local_train`` calls them: ``adapt_model`` (may change the
+    model's structure and load client-private entries from ``ctx.state``), ``setup``,
+    ``compute_gradient`` / ``transform_gradient`` per mini-batch, ``end_round`` (after the last step,
+    e.g. to save client-private entries), ``transform_update``, then ``reply_extras`` and
+    ``metrics``. State-dict entries of the adapted model that the global model does not have are
+    client-private: they are never sent.
+    """
 
     name: ClassVar[str] = ""
 
+    def adapt_model(self, model: nn.Module, ctx: DefenseContext) -> nn.Module:
+        """The model to train this round (default: the global model as received)."""
+        return model
+
     def setup(self, model: nn.Module, ctx: DefenseContext) -> None:
         """Called at the start of every round, after the global weights are loaded."""
+
+    def end_round(self, model: nn.Module, ctx: DefenseContext) -> None:
+        """Called after the last local step, with the trained (adapted) model."""
+
+    def reply_extras(self, ctx: DefenseContext) -> dict[str, np.ndarray]:
+        """Extra arrays to send with the reply (record ``EXTRAS``), e.g. noise terms a server transform
+        needs. Names must be unique across the pipeline."""
+        return {}
+
+    def server_observers(self) -> list[dict[str, Any]]:
+        """Observer entries the server adds when this defense is configured (e.g. an evaluation the
+        defense implies)."""
+        return []
 
     def compute_gradient(self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
                          ctx: DefenseContext) -> list[torch.Tensor] | None:
@@ -97,7 +123,7 @@ class DefensePipeline:
         prefix = f"{i}."
         sub = {k[len(prefix):]: v for k, v in ctx.state.items() if k.startswith(prefix)}
         return DefenseContext(ctx.round, ctx.client_id, ctx.generator, ctx.param_names, ctx.recipe, sub,
-                              ctx.device, ctx.public_data, ctx.num_examples)
+                              ctx.device, ctx.public_data, ctx.num_examples, ctx.incoming)
 
     def run_round(self, ctx: DefenseContext) -> "_RoundRunner":
         return _RoundRunner(self, ctx)
@@ -114,9 +140,27 @@ class _RoundRunner:
         self.pipe, self.ctx = pipe, ctx
         self.subs = [pipe._ctx(ctx, i) for i in range(len(pipe.defenses))]
 
+    def adapt_model(self, model: nn.Module) -> nn.Module:
+        for d, c in zip(self.pipe.defenses, self.subs):
+            model = d.adapt_model(model, c)
+        return model
+
     def setup(self, model: nn.Module) -> None:
         for d, c in zip(self.pipe.defenses, self.subs):
             d.setup(model, c)
+
+    def end_round(self, model: nn.Module) -> None:
+        for d, c in zip(self.pipe.defenses, self.subs):
+            d.end_round(model, c)
+
+    def reply_extras(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for d, c in zip(self.pipe.defenses, self.subs):
+            for k, v in d.reply_extras(c).items():
+                if k in out:
+                    raise ValueError(f"defenses: two defenses send the extra array {k!r}")
+                out[k] = np.asarray(v)
+        return out
 
     def compute_gradient(self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor):
         for d, c in zip(self.pipe.defenses, self.subs):

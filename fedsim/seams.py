@@ -96,8 +96,14 @@ class ServerTransform:
         return arrays
 
     def message_extras(self, server_round: int) -> dict[str, Any]:
-        """Extra records for this round's train messages (default: none)."""
+        """Extra records for this round's train messages (default: none). Arrays for the clients'
+        defenses go in an ArrayRecord under ``fedsim.protocol.EXTRAS``."""
         return {}
+
+    def client_defenses(self) -> list[dict[str, Any]]:
+        """``[[defenses]]`` entries every client must run first for this transform to work (e.g. the
+        client half of a perturbation scheme). Default: none."""
+        return []
 
     def after_aggregate(self, ctx: RoundContext, aggregate: Arrays) -> Arrays:
         """The next global model from the rule's aggregate (default: unchanged)."""

@@ -117,28 +117,34 @@ class TrainResult:
     num_examples: int
     metrics: dict[str, float] = field(default_factory=dict)
     state: dict[str, np.ndarray] = field(default_factory=dict)
+    extras: dict[str, np.ndarray] = field(default_factory=dict)  # the defenses' extra reply arrays
 
 
 def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Recipe, *, seed: int,
                 round: int, client: int, pipeline: DefensePipeline | None = None,
                 state: dict[str, np.ndarray] | None = None, device: torch.device | str = "cpu",
-                public_data: tuple[torch.Tensor, torch.Tensor] | None = None) -> TrainResult:
+                public_data: tuple[torch.Tensor, torch.Tensor] | None = None,
+                incoming: Mapping[str, np.ndarray] | None = None) -> TrainResult:
     """Plain SGD on the client's data following :func:`batch_schedule`, with the defense pipeline.
 
-    The model must hold the global weights on entry. Returns the weights to send (global + the
-    possibly-defended update) and the training metrics.
+    The model must hold the global weights on entry. Defenses may adapt it (``adapt_model``); the
+    update is computed for the global model's state-dict entries only (an entry the adapted model
+    lacks is returned unchanged; entries only the adapted model has are client-private and never
+    returned). Returns the weights to send (global + the possibly-defended update), the training
+    metrics, the defenses' new state and their extra reply arrays.
     """
     t0 = time.perf_counter()
     device = torch.device(device)
     model.to(device).train()
     pipeline = pipeline or DefensePipeline([])
     sd0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    params = [p for p in model.parameters() if p.requires_grad]
-    names = tuple(param_names(model))
+    names = tuple(sd0)
     gen = torch.Generator(device="cpu").manual_seed(derive_seed(seed, round, client, 0xDEF))
     ctx = DefenseContext(round, client, gen, names, recipe.to_mapping(), dict(state or {}), device, public_data,
-                         num_examples=len(y))
+                         num_examples=len(y), incoming=dict(incoming or {}))
     runner = pipeline.run_round(ctx)
+    model = runner.adapt_model(model).to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
     runner.setup(model)
     schedule = batch_schedule(seed, round, client, len(y), recipe)
     loss_fn = F.cross_entropy
@@ -163,19 +169,21 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
         total_loss += float(loss.detach()) * len(idx)
         total_correct += int((out.detach().argmax(1) == yb).sum())
         seen += len(idx)
-    # update over the whole state dict (parameters and buffers, e.g. BatchNorm statistics)
+    runner.end_round(model)
+    # update over the global entries (parameters and buffers, e.g. BatchNorm statistics)
     sd1 = model.state_dict()
-    update = [(sd1[k].detach() - sd0[k]).float() for k in sd0]
+    update = [(sd1[k].detach() - sd0[k]).float() if k in sd1 else torch.zeros_like(sd0[k], dtype=torch.float32)
+              for k in names]
     update = runner.transform_update(update)
     weights = [(sd0[k].float() + u.to(sd0[k].device)).to(sd0[k].dtype).cpu().numpy()
-               for k, u in zip(sd0, update)]
+               for k, u in zip(names, update)]
     new_state, dmetrics = runner.finish()
     declared = pipeline.noise_variance()  # per-entry variance of noise the defenses added (if declared)
     if declared is not None:
         dmetrics[NOISE_VARIANCE] = declared
     metrics = {TRAIN_LOSS: total_loss / max(seen, 1), TRAIN_ACCURACY: total_correct / max(seen, 1),
                "local_steps": float(len(schedule)), "train_seconds": time.perf_counter() - t0, **dmetrics}
-    return TrainResult(weights, len(y), metrics, new_state)
+    return TrainResult(weights, len(y), metrics, new_state, runner.reply_extras())
 
 
 @torch.no_grad()

@@ -6,12 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from flwr.app import ArrayRecord, MessageType
 
 from fedsim.app.runner import run_experiment
 from fedsim.compensation import compensate_with_info
-from fedsim.components import CHANNELS, CLIENT_CHANNELS, STRATEGIES
+from fedsim.components import CHANNELS, CLIENT_CHANNELS, DEFENSES, STRATEGIES, TRANSFORMS
 from fedsim.config import ConfigError
-from fedsim.protocol import ARRAYS, arrays_record
+from fedsim.defense import Defense
+from fedsim.inprocess import InProcessGrid
+from fedsim.protocol import ARRAYS, EXTRAS, STATE_DEFENSES, arrays_record
 from fedsim.reports import read_jsonl
 from fedsim.seams import (
     INDIVIDUAL,
@@ -21,6 +24,7 @@ from fedsim.seams import (
     ClientChannel,
     PlainChannel,
     ServerChannel,
+    ServerTransform,
 )
 
 LRP = {"name": "lrp", "slices": 10, "gamma": 0.3, "sigma": 0.5}
@@ -140,3 +144,76 @@ def test_round_record_reaches_metrics(small_cfg, tmp_path):
     for r in rows[1:]:
         assert r["replies"] == 3 and r["failures"] == 0 and r["evaluated_by"] == "server"
         assert r["train_loss"] > 0 and "partition-id" not in r and "num-examples" not in r
+
+
+# ------------------------------------------------------------------------------- client-side seams
+class EchoTransform(ServerTransform):
+    """Test-only: sends the round number to the clients' echo defense and checks what comes back."""
+
+    name = "test-echo"
+
+    def message_extras(self, server_round):
+        return {EXTRAS: arrays_record(["echo.x"], [np.array([float(server_round)])])}
+
+    def client_defenses(self):
+        return [{"name": "test-echo-client", "factor": 3.0}]
+
+    def after_aggregate(self, ctx, aggregate):
+        self._sum = float(sum(r.message.content[EXTRAS]["echo.y"].numpy()[0] for r in ctx.replies))
+        return aggregate
+
+    def metrics(self):
+        return {"echo_sum": self._sum}
+
+
+class EchoClient(Defense):
+    name = "test-echo-client"
+
+    def __init__(self, factor: float = 1.0):
+        self.factor = factor
+
+    def reply_extras(self, ctx):
+        return {"echo.y": ctx.incoming["echo.x"] * self.factor}
+
+
+class PrivateCounter(Defense):
+    """Test-only: adapts the model with a client-private buffer that counts the rounds it trained."""
+
+    name = "test-private-counter"
+
+    def adapt_model(self, model, ctx):
+        start = float(ctx.state.get("count", np.zeros(1))[0])
+        model.register_buffer("secret_counter", torch.tensor([start + 1.0]))
+        return model
+
+    def end_round(self, model, ctx):
+        ctx.state["count"] = model.state_dict()["secret_counter"].numpy().copy()
+
+
+def test_transform_extras_reach_the_clients_defense_and_come_back(small_cfg, tmp_path, monkeypatch):
+    monkeypatch.setitem(TRANSFORMS, EchoTransform.name, EchoTransform)
+    monkeypatch.setitem(DEFENSES, EchoClient.name, EchoClient)
+    cfg = small_cfg("federation.rounds=2", 'transforms=[{name="test-echo"}]')
+    rows = read_jsonl(run_experiment(cfg, out=tmp_path / "r", progress=False) / "metrics.jsonl")
+    n = cfg["federation"]["num_clients"]
+    assert [r["test-echo.echo_sum"] for r in rows[1:]] == [3.0 * 1 * n, 3.0 * 2 * n]
+
+
+def test_client_private_entries_stay_in_flowers_context_and_never_leave(small_cfg, monkeypatch):
+    """Through the real ClientApp over 3 rounds: the adapted model's extra entry is kept in each
+    node's Context.state (it counts 3 rounds) and no reply carries it."""
+    from fedsim.app.client import client_app
+    from fedsim.app.server import run_server
+
+    monkeypatch.setitem(DEFENSES, PrivateCounter.name, PrivateCounter)
+    cfg = small_cfg("federation.rounds=3", defenses=[{"name": PrivateCounter.name}])
+    grid = InProcessGrid(client_app, cfg["federation"]["num_clients"])
+    run_server(grid, cfg, None, [], progress=False)
+    replies = [r for r in grid.replies_seen if r.metadata.message_type == MessageType.TRAIN]
+    assert len(replies) == 3 * cfg["federation"]["num_clients"]
+    for r in replies:
+        for rec in r.content.array_records.values():
+            assert not any("secret" in k for k in rec.keys())
+    for ctx in grid.contexts.values():
+        state = ctx.state[STATE_DEFENSES]
+        assert isinstance(state, ArrayRecord) and state["0.count"].numpy().tolist() == [3.0]

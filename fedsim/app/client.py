@@ -31,13 +31,14 @@ from flwr.clientapp import ClientApp
 
 from fedsim.app import load_plugins
 from fedsim.components import CLIENT_CHANNELS, FLOWER_MODS
-from fedsim.defense import build_pipeline
+from fedsim.config import client_pipeline
 from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.protocol import (
     CONFIG,
     EVAL_ACCURACY,
     EVAL_EXAMPLES,
     EVAL_LOSS,
+    EXTRAS,
     FEDSIM_CONFIG,
     METRICS,
     NODE_PARTITION_ID,
@@ -45,6 +46,7 @@ from fedsim.protocol import (
     PARTITION_ID,
     SERVER_ROUND,
     STATE_DEFENSES,
+    arrays_record,
 )
 from fedsim.seams import ClientChannel
 from fedsim.training import Recipe, derive_seed, evaluate, local_train, resolve_device, set_weights
@@ -115,18 +117,21 @@ def _train(msg: Message, context: Context) -> Message:
     state = {}
     if STATE_DEFENSES in context.state:
         state = {k: v.numpy() for k, v in context.state[STATE_DEFENSES].items()}
-    pipeline = build_pipeline(cfg.get("defenses", []))
+    pipeline = client_pipeline(cfg)
     ds = dataset_for(cfg)
+    incoming = {k: a.numpy() for k, a in msg.content[EXTRAS].items()} if EXTRAS in msg.content else {}
     res = local_train(model, x, y, Recipe.from_mapping(cfg["train"]), seed=cfg["seed"], round=rnd, client=pid,
                       pipeline=pipeline, state=state, device=resolve_device(cfg.get("device", "auto")),
-                      public_data=(ds.x_root, ds.y_root))
+                      public_data=(ds.x_root, ds.y_root), incoming=dict(incoming))
     if res.state:
         context.state[STATE_DEFENSES] = ArrayRecord(OrderedDict((k, Array(np.ascontiguousarray(v)))
                                                                 for k, v in res.state.items()))
     metrics = {NUM_EXAMPLES: res.num_examples, PARTITION_ID: pid,
                **{k: float(v) for k, v in res.metrics.items()}}
-    return Message(RecordDict({**channel.encode(res.weights, names, context), METRICS: MetricRecord(metrics)}),
-                   reply_to=msg)
+    content = RecordDict({**channel.encode(res.weights, names, context), METRICS: MetricRecord(metrics)})
+    if res.extras:
+        content[EXTRAS] = arrays_record(list(res.extras), list(res.extras.values()))
+    return Message(content, reply_to=msg)
 
 
 @client_app.evaluate()
