@@ -82,6 +82,8 @@ SCHEMA: dict[str, Field] = {
     "train.batch_size": Field(int, 32, min=1),
     "train.local_steps": Field(int, None, nullable=True, min=1, help="SGD steps per round (FedSGD: 1)"),
     "train.local_epochs": Field(int, None, nullable=True, min=1, help="local passes over the data"),
+    "train.loss": Field(str, "cross-entropy", choices=("cross-entropy", "mse"),
+                        help="local training loss (mse: on one-hot targets)"),
     "strategy.name": Field(str, "fedavg", help="aggregation rule (+ its parameters in [strategy])"),
     "channel.name": Field(str, "plain", help="how models travel (+ its parameters in [channel])"),
     "simulation.backend": Field(str, "ray", choices=("ray", "inprocess"),
@@ -307,6 +309,14 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
     transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
     check_compatible(type(channel), type(rule),
                      [(f"transforms[{i}]", type(t)) for i, t in enumerate(transforms)])
+    for where, component in [("strategy", rule), ("channel", channel),
+                             *((f"transforms[{i}]", t) for i, t in enumerate(transforms))]:
+        try:
+            component.validate_config(cfg)  # checks that need the rest of the config
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"{where} ({component.name}): {exc}") from exc
     defenses = client_pipeline(cfg, transforms)
     mods = FLOWER_MODS.build_list(cfg["client"]["flower_mods"], "client.flower_mods")
     observers = OBSERVERS.build_list(cfg["output"]["observers"], "output.observers", cfg=cfg)

@@ -51,6 +51,9 @@ class AggregationRule:
     #: what the rule needs from the channel
     requires: ClassVar[frozenset[str]] = frozenset({INDIVIDUAL, PLAINTEXT_AGGREGATE})
 
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
+
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         """Called once before round 1."""
 
@@ -88,6 +91,9 @@ class ServerTransform:
     name: ClassVar[str] = ""
     requires: ClassVar[frozenset[str]] = frozenset({PLAINTEXT_AGGREGATE})
 
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
+
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         """Called once before round 1."""
 
@@ -121,6 +127,9 @@ class ServerChannel:
 
     name: ClassVar[str] = ""
     provides: ClassVar[frozenset[str]] = frozenset()
+
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
 
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         """Called once before the first exchange."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -120,11 +120,28 @@ class TrainResult:
     extras: dict[str, np.ndarray] = field(default_factory=dict)  # the defenses' extra reply arrays
 
 
+LOSSES = ("cross-entropy", "mse")
+
+
+def mse_onehot(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean squared error between the outputs and the one-hot targets (mean over batch and classes)."""
+    return F.mse_loss(logits, F.one_hot(y, logits.shape[-1]).to(logits.dtype))
+
+
+def loss_function(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``train.loss``: ``cross-entropy`` (default) or ``mse`` on one-hot targets (seed 002's derivation)."""
+    if name == "cross-entropy":
+        return F.cross_entropy
+    if name == "mse":
+        return mse_onehot
+    raise ValueError(f"train.loss must be one of {list(LOSSES)}, got {name!r}")
+
+
 def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Recipe, *, seed: int,
                 round: int, client: int, pipeline: DefensePipeline | None = None,
                 state: dict[str, np.ndarray] | None = None, device: torch.device | str = "cpu",
                 public_data: tuple[torch.Tensor, torch.Tensor] | None = None,
-                incoming: Mapping[str, np.ndarray] | None = None) -> TrainResult:
+                incoming: Mapping[str, np.ndarray] | None = None, loss: str = "cross-entropy") -> TrainResult:
     """Plain SGD on the client's data following :func:`batch_schedule`, with the defense pipeline.
 
     The model must hold the global weights on entry. Defenses may adapt it (``adapt_model``); the
@@ -147,7 +164,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
     params = [p for p in model.parameters() if p.requires_grad]
     runner.setup(model)
     schedule = batch_schedule(seed, round, client, len(y), recipe)
-    loss_fn = F.cross_entropy
+    loss_fn = loss_function(loss)
     total_loss, total_correct, seen = 0.0, 0, 0
     for idx in schedule:
         ti = torch.as_tensor(idx)

@@ -122,7 +122,8 @@ def _train(msg: Message, context: Context) -> Message:
     incoming = {k: a.numpy() for k, a in msg.content[EXTRAS].items()} if EXTRAS in msg.content else {}
     res = local_train(model, x, y, Recipe.from_mapping(cfg["train"]), seed=cfg["seed"], round=rnd, client=pid,
                       pipeline=pipeline, state=state, device=resolve_device(cfg.get("device", "auto")),
-                      public_data=(ds.x_root, ds.y_root), incoming=dict(incoming))
+                      public_data=(ds.x_root, ds.y_root), incoming=dict(incoming),
+                      loss=cfg["train"].get("loss", "cross-entropy"))
     if res.state:
         context.state[STATE_DEFENSES] = ArrayRecord(OrderedDict((k, Array(np.ascontiguousarray(v)))
                                                                 for k, v in res.state.items()))
