@@ -128,6 +128,10 @@ class DefensePipeline:
     def run_round(self, ctx: DefenseContext) -> "_RoundRunner":
         return _RoundRunner(self, ctx)
 
+    def adapts_model(self) -> bool:
+        """Whether a defense changes the model's structure (then the model cannot be reused)."""
+        return any(type(d).adapt_model is not Defense.adapt_model for d in self.defenses)
+
     def noise_variance(self) -> float | None:
         vs = [v for d in self.defenses if (v := d.noise_variance()) is not None]
         return float(sum(vs)) if vs else None

@@ -75,6 +75,26 @@ def arrays_record(names: Sequence[str], arrays: Sequence[np.ndarray]) -> ArrayRe
     return ArrayRecord(OrderedDict((n, Array(np.ascontiguousarray(a))) for n, a in zip(names, arrays)))
 
 
+def decode_array(arr: Array, writable: bool = True) -> np.ndarray:
+    """An ``Array`` as NumPy without re-parsing the npy header (Flower's ``Array.numpy`` runs
+    ``np.load``, whose header parser costs ~40 us per array). Falls back to ``Array.numpy`` for anything
+    but a C-ordered numpy payload whose size matches its dtype and shape."""
+    if arr.stype == "numpy.ndarray":
+        dtype = np.dtype(arr.dtype)
+        count = int(np.prod(arr.shape, dtype=np.int64))
+        offset = len(arr.data) - count * dtype.itemsize
+        header = arr.data[:offset]
+        if offset > 0 and b"'fortran_order': False" in header and dtype.str.encode() in header:
+            out = np.frombuffer(arr.data, dtype=dtype, count=count, offset=offset).reshape(arr.shape)
+            return out.copy() if writable else out
+    return arr.numpy()
+
+
+def decode_arrays(record: ArrayRecord, writable: bool = True) -> list[np.ndarray]:
+    """Every array of a record, in order (see :func:`decode_array`)."""
+    return [decode_array(a, writable) for a in record.values()]
+
+
 def train_config(cfg: Mapping[str, Any], server_round: int | None = None) -> ConfigRecord:
     """What every server -> client message carries: the recipe and the resolved config."""
     t = cfg["train"]

@@ -39,6 +39,7 @@ from fedsim.protocol import (
     PARTITION_ID,
     QUERY,
     TRAIN,
+    decode_arrays,
     recipe_of,
     train_config,
 )
@@ -76,7 +77,7 @@ class Reply:
     @property
     def arrays(self) -> list[np.ndarray]:
         if self._arrays is None:
-            self._arrays = self.message.content[ARRAYS].to_numpy_ndarrays()
+            self._arrays = decode_arrays(self.message.content[ARRAYS], writable=False)
         return self._arrays
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from flwr.app import Context, Message, RecordDict
 
 from fedsim.components import CHANNELS, CLIENT_CHANNELS, ConfigError
-from fedsim.protocol import ARRAYS, arrays_record
+from fedsim.protocol import ARRAYS, arrays_record, decode_arrays
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedsim.rounds import Reply, RoundContext
@@ -232,7 +232,7 @@ class PlainClientChannel(ClientChannel):
     name = "plain"
 
     def decode(self, content: RecordDict, context: Context, param_names: Sequence[str]) -> Arrays:
-        return content[ARRAYS].to_numpy_ndarrays()
+        return decode_arrays(content[ARRAYS])
 
     def encode(self, arrays: Arrays, param_names: Sequence[str], context: Context) -> dict[str, Any]:
         return {ARRAYS: arrays_record(param_names, arrays)}

@@ -160,7 +160,9 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
     ctx = DefenseContext(round, client, gen, names, recipe.to_mapping(), dict(state or {}), device, public_data,
                          num_examples=len(y), incoming=dict(incoming or {}))
     runner = pipeline.run_round(ctx)
-    model = runner.adapt_model(model).to(device).train()
+    adapted = runner.adapt_model(model)
+    if adapted is not model:
+        model = adapted.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     runner.setup(model)
     schedule = batch_schedule(seed, round, client, len(y), recipe)

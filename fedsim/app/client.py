@@ -47,9 +47,10 @@ from fedsim.protocol import (
     SERVER_ROUND,
     STATE_DEFENSES,
     arrays_record,
+    decode_array,
 )
 from fedsim.seams import ClientChannel
-from fedsim.training import Recipe, derive_seed, evaluate, local_train, resolve_device, set_weights
+from fedsim.training import Recipe, evaluate, local_train, resolve_device, set_weights
 
 load_plugins()
 
@@ -78,6 +79,17 @@ def wrap(handler: Handler, mods: Sequence[Callable]) -> Handler:
     for mod in reversed(list(mods)):
         handler = (lambda m, nxt: lambda msg, ctx: m(msg, ctx, nxt))(mod, handler)
     return handler
+
+
+@lru_cache(maxsize=4)
+def _cached_model(text: str) -> torch.nn.Module:
+    return model_for(parse_config(text))
+
+
+def model_to_train(msg: Message, cfg: dict[str, Any], adapts: bool) -> torch.nn.Module:
+    """The model a message is trained on: built once per process and config and reused (every weight
+    and buffer is overwritten from the message), unless a defense changes its structure."""
+    return model_for(cfg) if adapts else _cached_model(str(msg.content[CONFIG][FEDSIM_CONFIG]))
 
 
 def _partition_id(context: Context) -> int:
@@ -110,16 +122,15 @@ def _train(msg: Message, context: Context) -> Message:
     rnd = int(conf[SERVER_ROUND])
     channel = channel_for(cfg)
     x, y = client_data(cfg, pid)
-    torch.manual_seed(derive_seed(cfg["seed"], rnd, pid, 0x11))
-    model = model_for(cfg)
+    pipeline = client_pipeline(cfg)
+    model = model_to_train(msg, cfg, pipeline.adapts_model())
     names = list(model.state_dict().keys())
     set_weights(model, channel.decode(msg.content, context, names))
     state = {}
     if STATE_DEFENSES in context.state:
-        state = {k: v.numpy() for k, v in context.state[STATE_DEFENSES].items()}
-    pipeline = client_pipeline(cfg)
+        state = {k: decode_array(v) for k, v in context.state[STATE_DEFENSES].items()}
     ds = dataset_for(cfg)
-    incoming = {k: a.numpy() for k, a in msg.content[EXTRAS].items()} if EXTRAS in msg.content else {}
+    incoming = {k: decode_array(a) for k, a in msg.content[EXTRAS].items()} if EXTRAS in msg.content else {}
     res = local_train(model, x, y, Recipe.from_mapping(cfg["train"]), seed=cfg["seed"], round=rnd, client=pid,
                       pipeline=pipeline, state=state, device=resolve_device(cfg.get("device", "auto")),
                       public_data=(ds.x_root, ds.y_root), incoming=dict(incoming),
@@ -139,7 +150,7 @@ def _train(msg: Message, context: Context) -> Message:
 def evaluate_global(msg: Message, context: Context) -> Message:
     """The global model's loss and accuracy on the common test split (the channel decodes it)."""
     cfg = config_of(msg)
-    model = model_for(cfg)
+    model = model_to_train(msg, cfg, adapts=False)
     names = list(model.state_dict().keys())
     set_weights(model, channel_for(cfg).decode(msg.content, context, names))
     ds = dataset_for(cfg)
