@@ -89,6 +89,8 @@ SCHEMA: dict[str, Field] = {
     "simulation.backend": Field(str, "ray", choices=("ray", "inprocess"),
                                 help="ray: Flower's simulation engine; inprocess: in-process grid (tests)"),
     "simulation.num_cpus": Field(int, 1, min=1, help="CPUs per client actor"),
+    "simulation.clients_per_node": Field(int, 1, min=1, help="virtual clients (partitions) each simulated "
+                                         "node serves; >1 cuts Flower's per-message cost at scale"),
     "simulation.num_gpus": Field(NUM, 0.0, min=0.0, help="GPUs per client actor (fractions allowed)"),
     "simulation.ray_address": Field(str, None, nullable=True, help="join an existing Ray cluster"),
     "client.flower_mods": Field(list, [], help="Flower client mods wrapping local training, e.g. local-dp"),

@@ -42,6 +42,7 @@ LOCAL_STEPS = "local_steps"
 LOCAL_EPOCHS = "local_epochs"
 RECIPE_KEYS = (LR, BATCH_SIZE, LOCAL_STEPS, LOCAL_EPOCHS)
 STAGE = "stage"  # a channel's setup stage (e.g. key agreement)
+PARTITIONS = "partitions"  # the virtual clients (partition ids) a message to a node addresses
 
 # ---- MetricRecord keys (client -> server)
 PARTITION_ID = "partition-id"
@@ -52,7 +53,12 @@ TRAIN_ACCURACY = "train_accuracy"
 EVAL_LOSS = "eval_loss"
 EVAL_ACCURACY = "eval_accuracy"
 EVAL_EXAMPLES = "eval_examples"
+HOSTED_PARTITIONS = "hosted-partitions"  # query reply: the partitions a node serves
 CLIENT_ID_KEYS = (PARTITION_ID, NUM_EXAMPLES)  # per-client bookkeeping, meaningless when averaged
+
+# ---- a virtual client's failure inside a multi-client message (ConfigRecord record, see for_partition)
+ERROR = "error"
+ERROR_REASON = "reason"
 
 # ---- node config keys (set by Flower's simulation engine and by the in-process grid)
 NODE_PARTITION_ID = "partition-id"
@@ -67,6 +73,30 @@ TRAIN = MessageType.TRAIN  # local training; reply: the client's model (through 
 EVALUATE = MessageType.EVALUATE  # evaluate the global model on the common test split (encrypted channels)
 QUERY = MessageType.QUERY  # discovery: reply with the node's partition id
 CHANNEL_SETUP = f"{MessageType.QUERY}.channel"  # a channel's setup exchange (key agreement, key delivery)
+
+
+# ---- virtual clients: one node serving several partitions -------------------------------------------
+# A message to a node that serves several partitions lists them under PARTITIONS in its CONFIG; records
+# meant for one partition only carry the suffix ``@<partition>`` (for_partition), records without a
+# suffix are shared. The reply carries each partition's records with the same suffix.
+def for_partition(record: str, partition: int) -> str:
+    return f"{record}@{int(partition)}"
+
+
+def split_partition(record: str) -> tuple[str, int | None]:
+    base, sep, tail = record.rpartition("@")
+    return (base, int(tail)) if sep and tail.isdigit() else (record, None)
+
+
+def hosted_partitions(node_index: int, clients_per_node: int, num_clients: int) -> list[int]:
+    """The partitions node ``node_index`` serves when each node serves ``clients_per_node`` of them."""
+    k = max(1, int(clients_per_node))
+    return list(range(node_index * k, min(int(num_clients), (node_index + 1) * k)))
+
+
+def num_nodes(num_clients: int, clients_per_node: int) -> int:
+    k = max(1, int(clients_per_node))
+    return -(-int(num_clients) // k)
 
 
 # ---- helpers both sides use ------------------------------------------------------------------------

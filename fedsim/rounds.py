@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from flwr.app import ConfigRecord, Message, RecordDict
@@ -31,15 +31,21 @@ from fedsim.protocol import (
     ARRAYS,
     CLIENT_ID_KEYS,
     CONFIG,
+    ERROR,
+    ERROR_REASON,
     EVAL_ACCURACY,
     EVAL_LOSS,
     EVALUATE,
+    HOSTED_PARTITIONS,
     METRICS,
     NUM_EXAMPLES,
     PARTITION_ID,
+    PARTITIONS,
     QUERY,
     TRAIN,
     decode_arrays,
+    for_partition,
+    num_nodes,
     recipe_of,
     train_config,
 )
@@ -63,21 +69,32 @@ def sample_partitions(seed: int, round: int, partitions: Sequence[int], k: int) 
 
 
 class Reply:
-    """One valid client reply as the server holds it; arrays are decoded once, on first use."""
+    """One valid client reply as the server holds it; arrays are decoded once, on first use.
 
-    def __init__(self, message: Message, partition: int):
+    A node serving several partitions (virtual clients) answers for all of them in one message; each
+    partition's records carry the suffix ``@<partition>`` and :meth:`record` reads through it."""
+
+    def __init__(self, message: Message, partition: int, suffix: str = ""):
         self.message = message
         self.node_id = message.metadata.src_node_id
         self.partition = partition
-        self.metrics: dict[str, Any] = dict(message.content[METRICS]) if METRICS in message.content else {}
+        self.suffix = suffix
+        self.metrics: dict[str, Any] = dict(self.record(METRICS)) if self.has(METRICS) else {}
         self.num_examples = int(self.metrics.get(NUM_EXAMPLES, 0))
         self._arrays: list[np.ndarray] | None = None
         self.extra: dict[str, Any] = {}  # what the channel parsed from the payload
 
+    def has(self, name: str) -> bool:
+        return name + self.suffix in self.message.content
+
+    def record(self, name: str) -> Any:
+        """This client's record ``name`` (one of fedsim.protocol's record names)."""
+        return self.message.content[name + self.suffix]
+
     @property
     def arrays(self) -> list[np.ndarray]:
         if self._arrays is None:
-            self._arrays = decode_arrays(self.message.content[ARRAYS], writable=False)
+            self._arrays = decode_arrays(self.record(ARRAYS), writable=False)
         return self._arrays
 
 
@@ -124,9 +141,11 @@ class RoundContext:
     replies: list[Reply] = field(default_factory=list)  # the round's valid replies (what was aggregated)
     weights: list[float] | None = None  # the weights a weighted-sum rule used
 
-    def exchange(self, messages: list[Message], stage: str) -> list[Reply]:
-        """Send messages, return the valid replies (sorted by partition); failures are recorded."""
-        return self.engine.exchange(self.grid, messages, stage, self.round, self.record)
+    def send(self, partitions: Sequence[int], message_type: str, shared: RecordDict,
+             per_partition: Mapping[int, Mapping[str, Any]] | None = None, stage: str = "train") -> list[Reply]:
+        """Send to clients (partition ids); the valid replies, sorted by partition. Failures are recorded."""
+        return self.engine.send(self.grid, partitions, message_type, shared, per_partition, stage, self.round,
+                                self.record)
 
 
 class RoundEngine:
@@ -142,7 +161,9 @@ class RoundEngine:
         self.observers = list(observers)
         self.timeout = timeout
         self.fixed_partitions = list(fixed_partitions) if fixed_partitions is not None else None
-        self.node_partition: dict[int, int] = {}
+        self.clients_per_node = int(cfg.get("simulation", {}).get("clients_per_node", 1) or 1)
+        self.virtual = self.clients_per_node > 1
+        self.node_partitions: dict[int, list[int]] = {}
         self.partition_node: dict[int, int] = {}
         self.failures: list[dict[str, Any]] = []
         for c in (channel, rule, *self.transforms):
@@ -150,31 +171,35 @@ class RoundEngine:
 
     # ---- discovery ---------------------------------------------------------------------------------
     def discover(self, grid: Grid, wait: float = 120.0, poll: float = 0.05) -> dict[int, int]:
-        """Wait until all ``federation.num_clients`` nodes are registered, then ask each for its
-        partition id. Raises :class:`DiscoveryError` naming how many were found."""
-        expected = int(self.cfg["federation"]["num_clients"])
+        """Wait until every node the federation needs is registered, then ask each which partitions it
+        serves; every partition must be served. Raises :class:`DiscoveryError` naming what is missing.
+        Returns the partition -> node map."""
+        clients = int(self.cfg["federation"]["num_clients"])
+        expected = num_nodes(clients, self.clients_per_node)
         deadline = time.monotonic() + wait
         nodes = list(grid.get_node_ids())
         while len(nodes) < expected and time.monotonic() < deadline:
             time.sleep(poll)
             nodes = list(grid.get_node_ids())
         if len(nodes) < expected:
-            raise DiscoveryError(f"only {len(nodes)} of federation.num_clients = {expected} client nodes registered "
-                                 f"within {wait:.0f} s")
-        msgs = [Message(RecordDict({CONFIG: ConfigRecord({"what": PARTITION_ID})}), dst_node_id=n,
-                        message_type=QUERY) for n in nodes]
-        mapping: dict[int, int] = {}
+            raise DiscoveryError(f"only {len(nodes)} of the {expected} client nodes the federation needs "
+                                 f"(federation.num_clients = {clients}, simulation.clients_per_node = "
+                                 f"{self.clients_per_node}) registered within {wait:.0f} s")
+        content = RecordDict({CONFIG: train_config(self.cfg, 0)})
         record = RoundRecord(0)
-        for reply in self._send(grid, msgs, "query", 0, record):
-            mapping[reply.metadata.src_node_id] = int(reply.content[METRICS][PARTITION_ID])
-        self.node_partition = mapping
-        self.partition_node = {p: n for n, p in mapping.items()}
-        missing = sorted(set(range(expected)) - set(self.partition_node))
+        msgs = [Message(content, dst_node_id=n, message_type=QUERY) for n in nodes]
+        for reply in self._send(grid, msgs, "query", 0, record, {}):
+            m = reply.content[METRICS]
+            hosted = [int(p) for p in m[HOSTED_PARTITIONS]] if HOSTED_PARTITIONS in m else [int(m[PARTITION_ID])]
+            self.node_partitions[reply.metadata.src_node_id] = hosted
+            for p in hosted:
+                self.partition_node[p] = reply.metadata.src_node_id
+        missing = sorted(set(range(clients)) - set(self.partition_node))
         if missing:
             first = record.failures[0]["reason"].splitlines()[-1] if record.failures else "no failure recorded"
-            raise DiscoveryError(f"{len(missing)} of {expected} partitions have no reachable node "
+            raise DiscoveryError(f"{len(missing)} of {clients} partitions have no reachable node "
                                  f"(e.g. {missing[:5]}); first failure: {first}")
-        return mapping
+        return dict(self.partition_node)
 
     # ---- sampling and exchanges --------------------------------------------------------------------
     def sample(self, server_round: int) -> list[int]:
@@ -184,42 +209,74 @@ class RoundEngine:
                                  int(self.cfg["federation"]["clients_per_round"]))
 
     def _send(self, grid: Grid, messages: list[Message], stage: str, server_round: int,
-              record: RoundRecord) -> list[Message]:
-        """send_and_receive; error replies recorded as failures; every message must be answered."""
+              record: RoundRecord, by_node: Mapping[int, list[int]]) -> list[Message]:
+        """send_and_receive; error replies recorded as failures (of every partition the node was asked
+        for); every message must be answered."""
         replies = list(grid.send_and_receive(messages, timeout=self.timeout))
         if len(replies) < len(messages):
             got = {r.metadata.src_node_id for r in replies}
-            lost = [self.node_partition.get(m.metadata.dst_node_id, m.metadata.dst_node_id)
+            lost = [by_node.get(m.metadata.dst_node_id, m.metadata.dst_node_id)
                     for m in messages if m.metadata.dst_node_id not in got]
             raise RuntimeError(f"round {server_round} ({stage}): {len(messages)} messages sent, "
                                f"{len(replies)} replies received; no reply from clients {lost[:10]}")
         valid = []
         for r in replies:
             if r.has_error():
-                self.record_failure(record, server_round, r.metadata.src_node_id, stage,
-                                    r.error.reason if r.error else "unknown")
+                node = r.metadata.src_node_id
+                for p in by_node.get(node) or [None]:
+                    self.record_failure(record, server_round, node, stage, r.error.reason if r.error else "unknown",
+                                        partition=p)
             else:
                 valid.append(r)
         return valid
 
-    def exchange(self, grid: Grid, messages: list[Message], stage: str, server_round: int,
-                 record: RoundRecord) -> list[Reply]:
-        valid = self._send(grid, messages, stage, server_round, record)
-        # replies arrive in completion order; sort by partition so float sums (and runs) are reproducible
-        out = sorted((Reply(m, self.node_partition.get(m.metadata.src_node_id, -1)) for m in valid),
-                     key=lambda r: r.partition)
-        return out
+    def send(self, grid: Grid, partitions: Sequence[int], message_type: str, shared: RecordDict,
+             per_partition: Mapping[int, Mapping[str, Any]] | None, stage: str, server_round: int,
+             record: RoundRecord) -> list[Reply]:
+        """One message per node serving some of ``partitions``: the ``shared`` records, plus each
+        partition's own records (suffixed ``@<partition>`` and listed under ``PARTITIONS`` when a node
+        serves several). Returns the valid replies, one per partition, sorted by partition (replies
+        arrive in completion order; sorting keeps float sums, and runs, reproducible)."""
+        per_partition = per_partition or {}
+        by_node: dict[int, list[int]] = {}
+        for p in sorted(partitions):
+            by_node.setdefault(self.partition_node[p], []).append(p)
+        messages = []
+        for node, parts in by_node.items():
+            if not self.virtual:
+                own = per_partition.get(parts[0], {})
+                content = shared if not own else RecordDict({**dict(shared.items()), **own})
+            else:
+                content = RecordDict()
+                for k, v in shared.items():
+                    content[k] = ConfigRecord({**dict(v), PARTITIONS: parts}) if k == CONFIG else v
+                for p in parts:
+                    for k, v in per_partition.get(p, {}).items():
+                        content[for_partition(k, p)] = v
+            messages.append(Message(content=content, dst_node_id=node, message_type=message_type))
+        out = []
+        for m in self._send(grid, messages, stage, server_round, record, by_node):
+            parts = by_node[m.metadata.src_node_id]
+            if not self.virtual:
+                out.append(Reply(m, parts[0]))
+                continue
+            for p in parts:
+                err = for_partition(ERROR, p)
+                if err in m.content:
+                    self.record_failure(record, server_round, m.metadata.src_node_id, stage,
+                                        m.content[err][ERROR_REASON], partition=p)
+                else:
+                    out.append(Reply(m, p, "@" + str(p)))
+        return sorted(out, key=lambda r: r.partition)
 
-    def record_failure(self, record: RoundRecord, server_round: int, node: int, stage: str, reason: Any) -> None:
-        f = {"round": server_round, "stage": stage, "node": node, "client": self.node_partition.get(node),
+    def record_failure(self, record: RoundRecord, server_round: int, node: int, stage: str, reason: Any,
+                       partition: int | None = None) -> None:
+        f = {"round": server_round, "stage": stage, "node": node, "client": partition,
              "reason": str(reason)[-2000:]}
         record.failures.append(f)
         self.failures.append(f)
-        log.warning("client %s failed in %s round %d: %s", self.node_partition.get(node, node), stage,
-                    server_round, str(reason).splitlines()[-1] if reason else "")
-
-    def messages(self, nodes: Iterable[int], content: RecordDict, message_type: str) -> list[Message]:
-        return [Message(content=content, dst_node_id=n, message_type=message_type) for n in nodes]
+        log.warning("client %s failed in %s round %d: %s", partition if partition is not None else f"node {node}",
+                    stage, server_round, str(reason).splitlines()[-1] if reason else "")
 
     # ---- one round -----------------------------------------------------------------------------------
     def run_round(self, grid: Grid, server_round: int, state: Any) -> tuple[Any, RoundRecord]:
@@ -238,14 +295,14 @@ class RoundEngine:
             for k, v in t.message_extras(server_round).items():
                 content[k] = v
         record.sampled = self.sample(server_round)
-        nodes = [self.partition_node[p] for p in record.sampled]
         ctx = RoundContext(self, grid, server_round, self.channel, config, sent, record)
         replies = []
-        for r in ctx.exchange(self.messages(nodes, content, TRAIN), "train"):
+        for r in ctx.send(record.sampled, TRAIN, content, None, "train"):
             try:
                 self.channel.accept(r)
             except ChannelError as exc:
-                self.record_failure(record, server_round, r.node_id, "train", f"ChannelError: {exc}")
+                self.record_failure(record, server_round, r.node_id, "train", f"ChannelError: {exc}",
+                                    partition=r.partition)
                 continue
             replies.append(r)
         ctx.replies = replies
@@ -254,7 +311,7 @@ class RoundEngine:
         if not replies:
             return state, record
         record.train_metrics = dict(aggregate_metricrecords(
-            [RecordDict({METRICS: r.message.content[METRICS]}) for r in replies], NUM_EXAMPLES))
+            [RecordDict({METRICS: r.record(METRICS)}) for r in replies], NUM_EXAMPLES))
         new_state = self.rule.aggregate(ctx, replies)
         record.rule_metrics = dict(self.rule.metrics())
         if self.transforms:
@@ -287,8 +344,7 @@ class RoundEngine:
         config = train_config(self.cfg, server_round)
         content = RecordDict({CONFIG: config, **self.channel.outgoing(state)})
         for p in partitions:
-            replies = self.exchange(grid, self.messages([self.partition_node[p]], content, EVALUATE), "evaluate",
-                                    server_round, record)
+            replies = self.send(grid, [p], EVALUATE, content, None, "evaluate", server_round, record)
             if replies:
                 m = replies[0].metrics
                 return float(m[EVAL_LOSS]), float(m[EVAL_ACCURACY]), p

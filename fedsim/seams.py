@@ -200,9 +200,9 @@ class PlainChannel(ServerChannel):
         return {ARRAYS: arrays_record(self.names, state)}
 
     def accept(self, reply: Reply) -> None:
-        if ARRAYS not in reply.message.content.array_records:
+        if not reply.has(ARRAYS):
             raise ChannelError("the reply carries no model arrays")
-        got = list(reply.message.content[ARRAYS].keys())
+        got = list(reply.record(ARRAYS).keys())
         if got != self.names:
             raise ChannelError(f"the reply's arrays {got[:4]}... do not match the model's {self.names[:4]}...")
 

@@ -159,7 +159,7 @@ class EchoTransform(ServerTransform):
         return [{"name": "test-echo-client", "factor": 3.0}]
 
     def after_aggregate(self, ctx, aggregate):
-        self._sum = float(sum(r.message.content[EXTRAS]["echo.y"].numpy()[0] for r in ctx.replies))
+        self._sum = float(sum(r.record(EXTRAS)["echo.y"].numpy()[0] for r in ctx.replies))
         return aggregate
 
     def metrics(self):

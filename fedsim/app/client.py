@@ -19,14 +19,16 @@ Messages handled (names in :mod:`fedsim.protocol`):
 """
 from __future__ import annotations
 
+import copy
 import json
+import traceback
 from collections import OrderedDict
 from functools import lru_cache
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fedsim.app import load_plugins
@@ -35,19 +37,26 @@ from fedsim.config import client_pipeline
 from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.protocol import (
     CONFIG,
+    ERROR,
+    ERROR_REASON,
     EVAL_ACCURACY,
     EVAL_EXAMPLES,
     EVAL_LOSS,
     EXTRAS,
     FEDSIM_CONFIG,
+    HOSTED_PARTITIONS,
     METRICS,
     NODE_PARTITION_ID,
     NUM_EXAMPLES,
     PARTITION_ID,
+    PARTITIONS,
     SERVER_ROUND,
     STATE_DEFENSES,
     arrays_record,
     decode_array,
+    for_partition,
+    hosted_partitions,
+    split_partition,
 )
 from fedsim.seams import ClientChannel
 from fedsim.training import Recipe, evaluate, local_train, resolve_device, set_weights
@@ -96,18 +105,74 @@ def _partition_id(context: Context) -> int:
     return int(context.node_config[NODE_PARTITION_ID])
 
 
+def serve_partitions(handler: Handler) -> Handler:
+    """Run ``handler`` once per virtual client when a message addresses several partitions.
+
+    A node that serves several partitions (``simulation.clients_per_node``) gets one message listing
+    them under ``PARTITIONS``; each virtual client sees exactly what a node of its own would: a message
+    with the shared records plus its own (suffix removed), and a Context whose partition id is its own
+    and whose state holds only its own records (kept in the node's state under the same suffix). Its
+    reply records come back suffixed; an exception becomes that virtual client's error record."""
+
+    def run(msg: Message, context: Context) -> Message:
+        conf = msg.content[CONFIG] if CONFIG in msg.content else None
+        if conf is None or PARTITIONS not in conf:
+            return handler(msg, context)
+        parts = [int(p) for p in conf[PARTITIONS]]
+        out = RecordDict()
+        for p in parts:
+            sub = RecordDict()
+            for key, rec in msg.content.items():
+                base, q = split_partition(key)
+                if key == CONFIG:
+                    sub[key] = ConfigRecord({k: v for k, v in rec.items() if k != PARTITIONS})
+                elif q is None or q == p:
+                    sub[base] = rec
+            state = RecordDict({split_partition(k)[0]: v for k, v in context.state.items()
+                                if split_partition(k)[1] == p})
+            sub_ctx = Context(run_id=context.run_id, node_id=context.node_id, state=state,
+                              node_config={**dict(context.node_config), NODE_PARTITION_ID: p},
+                              run_config=context.run_config)
+            sub_msg = Message(content=sub, metadata=copy.copy(msg.metadata))  # same sender, type, ids
+            try:
+                reply = handler(sub_msg, sub_ctx)
+                if reply.has_error():
+                    raise RuntimeError(reply.error.reason)
+                for k, v in reply.content.items():
+                    out[for_partition(k, p)] = v
+            except Exception as exc:  # noqa: BLE001 - recorded as this virtual client's failure
+                reason = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+                out[for_partition(ERROR, p)] = ConfigRecord({ERROR_REASON: reason})
+            for k in [k for k in context.state.keys() if split_partition(k)[1] == p]:
+                del context.state[k]
+            for k, v in sub_ctx.state.items():
+                context.state[for_partition(k, p)] = v
+        return Message(out, reply_to=msg)
+
+    return run
+
+
 @client_app.query()
 def query(msg: Message, context: Context) -> Message:
-    pid = _partition_id(context)
-    return Message(RecordDict({METRICS: MetricRecord({PARTITION_ID: pid})}), reply_to=msg)
+    """Discovery: this node's partition id and the partitions it serves."""
+    node = _partition_id(context)
+    cfg = config_of(msg) if CONFIG in msg.content and FEDSIM_CONFIG in msg.content[CONFIG] else None
+    hosted = [node]
+    if cfg is not None:
+        hosted = hosted_partitions(node, cfg["simulation"].get("clients_per_node", 1),
+                                   cfg["federation"]["num_clients"])
+    return Message(RecordDict({METRICS: MetricRecord({PARTITION_ID: node, HOSTED_PARTITIONS: hosted})}),
+                   reply_to=msg)
 
 
 @client_app.query("channel")
+@serve_partitions
 def channel_setup(msg: Message, context: Context) -> Message:
     return Message(channel_for(config_of(msg)).handshake(msg, context), reply_to=msg)
 
 
 @client_app.train()
+@serve_partitions
 def train(msg: Message, context: Context) -> Message:
     """Local training, wrapped by the Flower mods the config names (``[[client.flower_mods]]``)."""
     cfg = config_of(msg)
@@ -147,6 +212,7 @@ def _train(msg: Message, context: Context) -> Message:
 
 
 @client_app.evaluate()
+@serve_partitions
 def evaluate_global(msg: Message, context: Context) -> Message:
     """The global model's loss and accuracy on the common test split (the channel decodes it)."""
     cfg = config_of(msg)

@@ -17,9 +17,15 @@ from fedsim.app import build_components
 from fedsim.config import dump_toml
 from fedsim.factories import dataset_for, model_for
 from fedsim.observers import Observer
+from fedsim.protocol import num_nodes
 from fedsim.reports import atomic_write_text, new_run_dir
 
 log = logging.getLogger("fedsim")
+
+
+def node_count(cfg: dict[str, Any]) -> int:
+    """Simulated nodes: every client, or one per ``simulation.clients_per_node`` virtual clients."""
+    return num_nodes(cfg["federation"]["num_clients"], cfg["simulation"].get("clients_per_node", 1))
 
 
 def build_observers(cfg: dict[str, Any]) -> list[Observer]:
@@ -75,7 +81,7 @@ def _run_inprocess(cfg, run_dir, observers, progress) -> None:
     from fedsim.app.server import run_server
     from fedsim.inprocess import InProcessGrid
 
-    run_server(InProcessGrid(client_app, cfg["federation"]["num_clients"]), cfg, run_dir, observers, progress)
+    run_server(InProcessGrid(client_app, node_count(cfg)), cfg, run_dir, observers, progress)
 
 
 def _run_ray(cfg, run_dir, observers, progress) -> None:
@@ -104,7 +110,7 @@ def _run_ray(cfg, run_dir, observers, progress) -> None:
     torch.set_num_threads(1)  # the actors use the cores; a spinning 2-thread evaluation here stalls them
     try:
         run_simulation(server_app=server_app, client_app=client_app,
-                       num_supernodes=cfg["federation"]["num_clients"], backend_config=_backend_config(cfg))
+                       num_supernodes=node_count(cfg), backend_config=_backend_config(cfg))
     finally:
         torch.set_num_threads(threads)
     if errors:

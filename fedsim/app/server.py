@@ -119,7 +119,7 @@ class Server:
             "best_accuracy": max(accs, default=None), "initial_accuracy": rows[0]["accuracy"] if rows else None,
             "evaluated_by": final.get("evaluated_by"), "seconds": seconds,
             "client_failures": len(self.engine.failures), "failures": self.engine.failures,
-            "clients": len(self.engine.node_partition),
+            "clients": len(self.engine.partition_node), "nodes": len(self.engine.node_partitions),
             "clients_configured": self.cfg["federation"]["num_clients"],
         }
         for obs in self.observers:
