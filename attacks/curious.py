@@ -111,6 +111,7 @@ class CuriousServer(Observer):
         self.rows: list[dict[str, Any]] = []
         self.out: Path | None = None
         self._pending: dict[int, list[ClientUpdate]] = {}
+        self.unreadable = 0  # replies the server could not read (encrypted channels)
         self._images: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -136,8 +137,12 @@ class CuriousServer(Observer):
         self.out = out_dir
 
     def observe(self, update: ClientUpdate) -> None:
-        if self.attacks_round(update.round):
-            self._pending.setdefault(update.round, []).append(update)
+        if not self.attacks_round(update.round):
+            return
+        if update.kind == "ciphertext":  # nothing to attack: the channel gives the server ciphertexts only
+            self.unreadable += 1
+            return
+        self._pending.setdefault(update.round, []).append(update)
 
     def on_round_end(self, round: int, metrics: Mapping[str, Any]) -> None:
         pending = self._pending.pop(round, [])
@@ -155,7 +160,14 @@ class CuriousServer(Observer):
     def on_finish(self) -> dict[str, Any]:
         if self.out is not None and self.rows:
             self.write_outputs(final=True)
-        return {"leakage": self.summary_rows()}
+        out: dict[str, Any] = {"leakage": self.summary_rows()}
+        if self.unreadable:
+            out["leakage_note"] = self.unreadable_note()
+        return out
+
+    def unreadable_note(self) -> str:
+        return (f"attacked nothing on {self.unreadable} intercepted replies: the channel gave the server "
+                "ciphertexts only (no plaintext update, no plaintext aggregate)")
 
     # ---- attacking and scoring -------------------------------------------------------------------
     def attack_input(self, update: ClientUpdate) -> AttackInput:
@@ -302,7 +314,8 @@ class CuriousServer(Observer):
         from fedsim.reports import md_table
 
         if not self.rows:
-            return ""
+            return f"## Gradient leakage (curious server)\n\nThe curious server {self.unreadable_note()}.\n" \
+                if self.unreadable else ""
         text = ["## Gradient leakage (curious server)\n",
                 f"Attacks {', '.join(self.names)} on rounds {self.rounds if not self.every else f'every {self.every}'}"
                 f", victims {self.victims}. Reconstructions are matched to the victim's samples by optimal "

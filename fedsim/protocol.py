@@ -60,6 +60,22 @@ CLIENT_ID_KEYS = (PARTITION_ID, NUM_EXAMPLES)  # per-client bookkeeping, meaning
 ERROR = "error"
 ERROR_REASON = "reason"
 
+# ---- CHANNEL record keys (encrypted channels; see strategies/paillier.py and clients/paillier.py)
+PAYLOAD = "payload"  # ciphertexts: a client's encrypted model, or the encrypted global model
+CODEC = "codec"  # the channel's encoding settings (JSON), declared once on the server half
+RUN_TAG = "run-tag"  # binds sealed keys to this run
+X25519_PUBLIC = "x25519-public"  # a client's key-agreement public key
+PEERS = "peers"  # partition ids the key holder seals the private key for
+PEER_KEYS = "peer-keys"  # their X25519 public keys, same order
+HOLDER = "holder"  # the key-holding client's partition id
+HOLDER_KEY = "holder-key"  # its X25519 public key
+PUBLIC_KEY = "public-key"  # the Paillier public key
+SEALED = "sealed"  # the Paillier private key sealed for one client (or, from the holder, for each peer)
+FINGERPRINT = "fingerprint"  # a client's confirmation of the public key it holds the private key of
+ENCRYPT_SECONDS = "encrypt-seconds"  # online (critical-path) encryption time of one reply
+CLIPPED = "clipped"  # values the quantizer clipped in one reply
+INLINE_OBFUSCATORS = "inline-obfuscators"  # obfuscators computed on the critical path for one reply
+
 # ---- node config keys (set by Flower's simulation engine and by the in-process grid)
 NODE_PARTITION_ID = "partition-id"
 NODE_NUM_PARTITIONS = "num-partitions"

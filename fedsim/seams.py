@@ -176,8 +176,9 @@ class ClientChannel:
         """Answer one of the channel's setup exchanges (content of the reply)."""
         raise ValueError(f"channel {self.name!r} has no setup exchange")
 
-    def decode(self, content: RecordDict, context: Context, param_names: Sequence[str]) -> Arrays:
-        """The global model (plaintext) from a server message."""
+    def decode(self, content: RecordDict, context: Context, template: Mapping[str, np.ndarray]) -> Arrays:
+        """The global model (plaintext, in ``template``'s order) from a server message. ``template`` is the
+        client's model state (names, shapes and dtypes; its values are not the global model's)."""
         raise NotImplementedError
 
     def encode(self, arrays: Arrays, param_names: Sequence[str], context: Context) -> dict[str, Any]:
@@ -231,7 +232,7 @@ class PlainChannel(ServerChannel):
 class PlainClientChannel(ClientChannel):
     name = "plain"
 
-    def decode(self, content: RecordDict, context: Context, param_names: Sequence[str]) -> Arrays:
+    def decode(self, content: RecordDict, context: Context, template: Mapping[str, np.ndarray]) -> Arrays:
         return decode_arrays(content[ARRAYS])
 
     def encode(self, arrays: Arrays, param_names: Sequence[str], context: Context) -> dict[str, Any]:

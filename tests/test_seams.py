@@ -56,7 +56,7 @@ class ScaledChannel(PlainChannel):
 class ScaledClientChannel(ClientChannel):
     name = "test-scaled"
 
-    def decode(self, content, context, param_names):
+    def decode(self, content, context, template):
         return content[ARRAYS].to_numpy_ndarrays()
 
     def encode(self, arrays, param_names, context):

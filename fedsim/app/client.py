@@ -101,6 +101,11 @@ def model_to_train(msg: Message, cfg: dict[str, Any], adapts: bool) -> torch.nn.
     return model_for(cfg) if adapts else _cached_model(str(msg.content[CONFIG][FEDSIM_CONFIG]))
 
 
+def template_of(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The model's state entries (names, shapes, dtypes) for a channel to decode into."""
+    return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
 def _partition_id(context: Context) -> int:
     return int(context.node_config[NODE_PARTITION_ID])
 
@@ -189,8 +194,9 @@ def _train(msg: Message, context: Context) -> Message:
     x, y = client_data(cfg, pid)
     pipeline = client_pipeline(cfg)
     model = model_to_train(msg, cfg, pipeline.adapts_model())
-    names = list(model.state_dict().keys())
-    set_weights(model, channel.decode(msg.content, context, names))
+    template = template_of(model)
+    names = list(template)
+    set_weights(model, channel.decode(msg.content, context, template))
     state = {}
     if STATE_DEFENSES in context.state:
         state = {k: decode_array(v) for k, v in context.state[STATE_DEFENSES].items()}
@@ -217,8 +223,7 @@ def evaluate_global(msg: Message, context: Context) -> Message:
     """The global model's loss and accuracy on the common test split (the channel decodes it)."""
     cfg = config_of(msg)
     model = model_to_train(msg, cfg, adapts=False)
-    names = list(model.state_dict().keys())
-    set_weights(model, channel_for(cfg).decode(msg.content, context, names))
+    set_weights(model, channel_for(cfg).decode(msg.content, context, template_of(model)))
     ds = dataset_for(cfg)
     loss, acc = evaluate(model, ds.x_test, ds.y_test, resolve_device(cfg.get("device", "auto")))
     return Message(RecordDict({METRICS: MetricRecord({EVAL_LOSS: loss, EVAL_ACCURACY: acc,
