@@ -14,7 +14,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from . import cpl, dlg, inverting  # noqa: F401  (registration)
+from . import cpl, dlg, inverting, regularised, robbing  # noqa: F401  (registration)
 from .base import ATTACKS, Attack, AttackInput, AttackResult, register
 
 
