@@ -28,8 +28,8 @@ prior, Adam with the step divided by 10 at 3/8, 5/8 and 7/8 of the iterations, i
 
   Appendix F also reweights the gradient cosine "by the gradients' norm"; its formula was lost in the
   seed's text. ``layer_weights="norm"`` (every parameter tensor counts equally) is our reading; it made
-  reconstructions worse on the BatchNorm LeNet (MSE 0.047 vs 0.015 at 400 iterations), so ``ig-fr``
-  leaves it off by default.
+  reconstructions worse on the BatchNorm LeNet (MSE 0.056 vs 0.0076 at 400 iterations untrained, 0.070
+  vs 0.062 trained; benchmarks/attack_priors.py), so ``ig-fr`` leaves it off by default.
 
 Both attacks match the observed update as one (average) gradient: a multi-step update is attacked as
 its pseudo-gradient ``-update / (lr K)``, not replayed (``ig``'s ``fedavg_aware`` is not offered).
@@ -169,7 +169,7 @@ class RegularisedInvertingGradients(Attack):
         assert best is not None
         _, x, trace = best
         trace.update(iterations=spent, attempts=self.restarts, fedavg_aware=False,
-                     threat_model="curious+victim_bn_stats" if (self.bn_prior and self.bn_target == "victim")
+                     threat_model="curious+victim_bn_stats" if (bn_t is not None and self.bn_target == "victim")
                      else "curious")
         trace["bn_target"] = self.bn_target if bn_t is not None else None
         if self.features:

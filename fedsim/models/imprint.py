@@ -98,9 +98,10 @@ def measurement_vector(in_shape: Sequence[int], kind: str = "brightness",
 
 
 def quantile_bins(values: torch.Tensor, num_bins: int) -> torch.Tensor:
-    """``num_bins`` boundaries at the ``i / num_bins`` quantiles of ``values`` (measurements of data the
-    server knows); the lowest boundary is moved one data range below the minimum so that no input
-    falls below every bin."""
+    """Boundaries at the ``i / num_bins`` quantiles of ``values`` (measurements of data the server
+    knows); the lowest is moved one data range below the minimum so that no input falls below every
+    bin. Quantiles that coincide in float32 (more bins than distinct values) are merged, so fewer than
+    ``num_bins`` boundaries can come back."""
     if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 2:
         raise ValueError(f"imprint num_bins must be an integer >= 2, got {num_bins!r}")
     v = torch.as_tensor(values).detach().double().flatten()
@@ -108,7 +109,7 @@ def quantile_bins(values: torch.Tensor, num_bins: int) -> torch.Tensor:
         raise ValueError("quantile_bins needs at least two measurements")
     t = torch.quantile(v, torch.arange(num_bins, dtype=torch.float64) / num_bins)
     t[0] = v.min() - (v.max() - v.min()).clamp_min(1e-6)
-    return t.float()
+    return torch.unique(t.float())  # sorted, strictly increasing
 
 
 def gaussian_bins(mean: float, std: float, num_bins: int) -> torch.Tensor:
