@@ -240,6 +240,8 @@ def test_registered_and_bad_parameters_name_the_key():
         build_attack("ig-bn", iterations=1, bn_target="victim").run(bn)
     res = build_attack("ig-fr", iterations=2, bn_target="update").run(plain)  # BN prior skipped: no BN
     assert res.trace["bn_target"] is None
+    again = build_attack("ig-fr", iterations=2, bn_target="update").run(plain)  # seeded: same result
+    torch.testing.assert_close(res.inputs, again.inputs, rtol=0, atol=0)
 
 
 def test_imprint_parameters_are_checked():
