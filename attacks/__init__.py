@@ -6,7 +6,10 @@ server in :data:`fedsim.components.OBSERVERS`:
 * ``dlg``  - Deep Leakage from Gradients (Zhu et al. 2019), labels optimised jointly;
 * ``idlg`` - DLG with labels inferred from the gradient (Zhao et al. 2020);
 * ``cpl``  - the CPL attack of seed 001 (geometric initialisation, label regulariser, threshold stop);
-* ``ig``   - Inverting Gradients (Geiping et al. 2020), optionally FedAvg-aware.
+* ``ig``   - Inverting Gradients (Geiping et al. 2020), optionally FedAvg-aware;
+* ``ig-bn`` - Inverting Gradients with a BatchNorm-statistics prior (Yin et al. 2021);
+* ``ig-fr`` - seed 004's attack: IG + feature-matching regulariser + untrained-CNN image prior;
+* ``robbing`` - Robbing the Fed (Fowl et al. 2022): a *malicious* server's imprint module.
 
 Build one by name with :func:`build_attack`; run it on an :class:`AttackInput`.
 """
@@ -16,7 +19,7 @@ from typing import Any
 
 from fedsim.components import declared_params
 
-from . import cpl, curious, dlg, inverting  # noqa: F401  (registration)
+from . import cpl, curious, dlg, inverting, regularised, robbing  # noqa: F401  (registration)
 from .base import ATTACKS, Attack, AttackInput, AttackResult, register
 
 

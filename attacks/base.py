@@ -28,6 +28,9 @@ class AttackInput:
     num_classes: int
     num_examples: int  # as reported by the client (examples per round)
     known_labels: torch.Tensor | None = None  # only for threat models that grant labels
+    # only under the threat model "BN statistics of the victim's batch known": BN layer name ->
+    # (mean, biased variance) of that layer's input over the victim's batch (attacks.bn_prior)
+    bn_stats: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     device: torch.device = torch.device("cpu")
     seed: int = 0  # the attacker's own randomness (initialisation)
 
