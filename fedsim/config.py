@@ -320,6 +320,13 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
         except ValueError as exc:
             raise ConfigError(f"{where} ({component.name}): {exc}") from exc
     defenses = client_pipeline(cfg, transforms)
+    for i, d in enumerate(defenses.defenses):
+        try:
+            d.validate_config(cfg)
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"defenses[{i}] ({d.name}): {exc}") from exc
     mods = FLOWER_MODS.build_list(cfg["client"]["flower_mods"], "client.flower_mods")
     observers = OBSERVERS.build_list(cfg["output"]["observers"], "output.observers", cfg=cfg)
     implied = [e for d in defenses.defenses for e in d.server_observers()]

@@ -58,6 +58,9 @@ class Defense:
 
     name: ClassVar[str] = ""
 
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
+
     def adapt_model(self, model: nn.Module, ctx: DefenseContext) -> nn.Module:
         """The model to train this round (default: the global model as received)."""
         return model

@@ -172,8 +172,9 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
         ti = torch.as_tensor(idx)
         xb, yb = x[ti].to(device), y[ti].to(device)
         grads = runner.compute_gradient(model, loss_fn, xb, yb)
-        with torch.no_grad():
-            out = model(xb) if grads is not None else None
+        out = None
+        if grads is not None:  # the defense computed the gradient: a forward for the metrics only, which
+            out = _forward_without_side_effects(model, xb)  # must not update BatchNorm statistics again
         if grads is None:
             model.zero_grad(set_to_none=True)
             out = model(xb)
@@ -203,6 +204,16 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
     metrics = {TRAIN_LOSS: total_loss / max(seen, 1), TRAIN_ACCURACY: total_correct / max(seen, 1),
                "local_steps": float(len(schedule)), "train_seconds": time.perf_counter() - t0, **dmetrics}
     return TrainResult(weights, len(y), metrics, new_state, runner.reply_extras())
+
+
+@torch.no_grad()
+def _forward_without_side_effects(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A training-mode forward that leaves the model's buffers (BatchNorm running statistics) as they were."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    out = model(x)
+    for b, saved in buffers:
+        b.copy_(saved)
+    return out
 
 
 @torch.no_grad()

@@ -45,6 +45,8 @@ BAD = [
      ["transforms[0]", "Q", ">= 1"]),
     ("bad-channel", ['channel.name="carrier-pigeon"'], None, ["channel.name", "plain", "carrier-pigeon"]),
     ("bad-channel-param", ["channel.bits=16"], None, ["channel.bits", "plain"]),
+    ("dp-sgd-with-batchnorm", ['model.norm="batch"', 'defenses=[{name="dp-sgd", clip_norm=1.0}]'], None,
+     ["defenses[0] (dp-sgd)", "BatchNorm", "model.norm"]),
     ("nan-defense-param", ['defenses=[{name="gaussian-noise", sigma=nan}]'], None,
      ["defenses[0].sigma", "finite"]),
     ("bad-partition", ['data.partition="shards"'], None, ["data.partition", "iid", "dirichlet", "pathological"]),

@@ -422,3 +422,25 @@ def test_flower_mod_config_errors_name_the_key():
         load_config(None, ["client.flower_mods=[{name='nope'}]", "train.local_steps=1"])
     with pytest.raises(ConfigError, match=r"client\.flower_mods\[0\] \(local-dp\) needs"):
         load_config(None, ["client.flower_mods=[{name='local-dp', clipping_norm=1.0}]", "train.local_steps=1"])
+
+
+def test_a_defense_computing_the_gradient_updates_batchnorm_statistics_once_per_step():
+    """With per-sample clipping the gradient comes from the defense and local_train runs one more
+    forward for its metrics; BatchNorm's running statistics must still move once per step, exactly as
+    in plain training (same initial model, same batch, one step)."""
+    from fedsim.app import load_config
+    from fedsim.factories import client_data, model_for
+    from fedsim.training import Recipe
+
+    cfg = load_config(None, ['model.norm="batch"', "train.local_steps=1", "train.batch_size=8",
+                             "federation.num_clients=4"])
+    x, y = client_data(cfg, 0)
+    out = []
+    for entries in ([], [{"name": "clip-gradient", "clip_norm": 1.0}]):
+        torch.manual_seed(0)
+        model = model_for(cfg)
+        names = list(model.state_dict())
+        res = local_train(model, x, y, Recipe.from_mapping(cfg["train"]), seed=0, round=1, client=0,
+                          pipeline=build_pipeline(entries))
+        out.append({n: w for n, w in zip(names, res.weights) if "running_" in n})
+    assert out[0] and all(np.array_equal(out[0][k], out[1][k]) for k in out[0])
