@@ -42,7 +42,6 @@ from fedsim.protocol import (
     PARTITION_ID,
     PARTITIONS,
     QUERY,
-    TRAIN,
     decode_arrays,
     for_partition,
     num_nodes,
@@ -83,6 +82,7 @@ class Reply:
         self.num_examples = int(self.metrics.get(NUM_EXAMPLES, 0))
         self._arrays: list[np.ndarray] | None = None
         self.extra: dict[str, Any] = {}  # what the channel parsed from the payload
+        self.contributors: list[int] = []  # for a reply that stands for several clients (secure aggregation)
 
     def has(self, name: str) -> bool:
         return name + self.suffix in self.message.content
@@ -297,7 +297,7 @@ class RoundEngine:
         record.sampled = self.sample(server_round)
         ctx = RoundContext(self, grid, server_round, self.channel, config, sent, record)
         replies = []
-        for r in ctx.send(record.sampled, TRAIN, content, None, "train"):
+        for r in self.channel.train_exchange(ctx, record.sampled, content):
             try:
                 self.channel.accept(r)
             except ChannelError as exc:
@@ -307,7 +307,7 @@ class RoundEngine:
             replies.append(r)
         ctx.replies = replies
         self._notify(server_round, replies, sent, config)
-        record.contributors = [r.partition for r in replies]
+        record.contributors = [p for r in replies for p in (r.contributors or [r.partition])]
         if not replies:
             return state, record
         record.train_metrics = dict(aggregate_metricrecords(

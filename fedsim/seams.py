@@ -26,7 +26,7 @@ import numpy as np
 from flwr.app import Context, Message, RecordDict
 
 from fedsim.components import CHANNELS, CLIENT_CHANNELS, ConfigError
-from fedsim.protocol import ARRAYS, arrays_record, decode_arrays
+from fedsim.protocol import ARRAYS, TRAIN, arrays_record, decode_arrays
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedsim.rounds import Reply, RoundContext
@@ -136,6 +136,12 @@ class ServerChannel:
 
     def handshake(self, ctx: RoundContext) -> None:
         """Exchanges before round 1 (key agreement, key delivery). Default: none."""
+
+    def train_exchange(self, ctx: RoundContext, partitions: list[int], content: RecordDict) -> list[Reply]:
+        """The round's training exchange: by default one ``TRAIN`` message per sampled client and one
+        reply each. A channel whose protocol has several stages (secure aggregation) runs them here and
+        may return a single reply standing for several clients (``Reply.contributors``)."""
+        return ctx.send(partitions, TRAIN, content, None, "train")
 
     def initial(self, arrays: Arrays) -> Any:
         """The state for the (public) initial model."""
