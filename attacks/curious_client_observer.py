@@ -149,6 +149,8 @@ class CuriousClient(Observer):
     def observe(self, update: ClientUpdate) -> None:
         if update.client_id != self.client:
             return  # another client's reply: the curious client never sees it
+        if not update.global_weights or not update.weights:
+            return  # the channel hides the model from the server, so the simulation cannot show the view
         self.views[update.round] = _View(update)
 
     def on_start(self, out_dir: Path | None) -> None:

@@ -137,6 +137,21 @@ def test_training_trajectory_matches_plain_fedavg(loss, transform, small_cfg, tm
     assert row["lossless-perturbation.perturbation_ratio"] > 1.0  # the clients never hold W
 
 
+def test_secrets_from_entropy_differ_between_runs_and_training_does_not(small_cfg, recorder, tmp_path):
+    """secrets_from = "entropy": two runs send different perturbed models but end with the same model
+    (measured: identical float32 models; the sent models differ by up to 10)."""
+    cfg = small_cfg(transforms=[{"name": "lossless-perturbation", "secrets_from": "entropy"}],
+                    **dict(MLP, federation__rounds=3))
+    runs = []
+    for k in range(2):
+        rec = type(recorder)()
+        out = run_experiment(cfg, out=tmp_path / f"r{k}", observers=[rec], progress=False)
+        runs.append((torch.load(out / "model.pt"), rec.by_round()[2][0].global_weights))
+    (m0, sent0), (m1, sent1) = runs
+    assert max(float(np.abs(a - b).max()) for a, b in zip(sent0, sent1)) > 1e-2
+    assert max(float((m0[k] - m1[k]).abs().max()) for k in m0) <= 1e-6
+
+
 # ------------------------------------------------------------------------------------- config refusals
 class _MedianRule(AggregationRule):
     name = "test-median"
