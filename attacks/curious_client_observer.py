@@ -49,6 +49,7 @@ Config (an ``output.observers`` entry)::
 """
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -68,6 +69,7 @@ from .curious_client import invert_rows, invert_single, others_gradient, span_in
 from .membership import FEATURES, layer_features, membership_inference
 
 _NEED = {"last": 1, "second": 2, "third": 3, "last3": 3}
+log = logging.getLogger("fedsim")
 
 
 class _View:
@@ -141,6 +143,7 @@ class CuriousClient(Observer):
         self.rows_rtol, self.exact_tol, self.ssim_threshold = float(rows_rtol), float(exact_tol), float(ssim_threshold)
         self.seed = seed
         self.views: dict[int, _View] = {}
+        self._accuracy: dict[int, Any] = {}
         self.rows: list[dict[str, Any]] = []
         self.out: Path | None = None
         self._images: list[tuple[str, torch.Tensor, torch.Tensor]] = []
@@ -178,10 +181,15 @@ class CuriousClient(Observer):
             self.rows.append(self.invert(self.views[t], self.views[round]))
             if self.adaptive:
                 self.rows.append(self.span(self.views[t], self.views[round]))
-        if self.membership and round == self.mia_round and round - 1 in self.views and round in self.views:
-            self.rows += self.infer_membership(self.views[round - 1], self.views[round])
-        for r in self.rows[before:]:
-            r["accuracy"] = metrics.get("accuracy")
+        if self.membership and round == self.mia_round:
+            if round - 1 in self.views and round in self.views:
+                self.rows += self.infer_membership(self.views[round - 1], self.views[round])
+            else:
+                log.warning("curious-client: client %d was not sampled in rounds %d and %d; no membership "
+                            "inference", self.client, round - 1, round)
+        self._accuracy[round] = metrics.get("accuracy")
+        for r in self.rows[before:]:  # the global model's accuracy at the end of the attacked round
+            r["accuracy"] = self._accuracy.get(r["round"])
         for k in [k for k in self.views if k < round - 1 and not (self.membership and k == self.mia_round - 1)]:
             del self.views[k]
         if self.out is not None and len(self.rows) > before:

@@ -197,7 +197,9 @@ class LosslessPerturbation(ServerTransform):
         self.lr = float(cfg["train"]["lr"])
         self.loss = loss_name(cfg["train"].get("loss", "cross-entropy"))
         self.secret_mode = self._mode_for(cfg["train"].get("loss", "cross-entropy"))
-        self.seed = int(cfg["seed"]) if self.secrets_from == "seed" else int.from_bytes(os.urandom(8), "little")
+        # derive_seed takes 32 bits of each part: four parts carry 128 bits of server-only entropy
+        self.seed_parts = ((int(cfg["seed"]),) if self.secrets_from == "seed"
+                           else tuple(int.from_bytes(os.urandom(4), "little") for _ in range(4)))
         self._probe_data: tuple[torch.Tensor, torch.Tensor] | None = None
         if self.probe:
             from fedsim.factories import dataset_for
@@ -221,7 +223,7 @@ class LosslessPerturbation(ServerTransform):
         return out  # type: ignore[return-value]
 
     def _secrets(self, server_round: int) -> ll.Secrets:
-        gen = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, server_round, _SALT))
+        gen = torch.Generator(device="cpu").manual_seed(derive_seed(*self.seed_parts, server_round, _SALT))
         lo_hi = self.ranges
         return ll.draw_secrets(self.spec.shapes, self.groups, gen, multiplicative=lo_hi["multiplicative"],
                                gamma=lo_hi["gamma"], additive=lo_hi["additive"], mode=self.secret_mode)

@@ -275,9 +275,10 @@ def test_a_failed_inversion_scores_as_nothing_recovered(small_cfg):
 # ------------------------------------------------------------------ the curious client: membership
 def test_membership_inference_is_at_chance_under_the_perturbation(small_cfg, tmp_path):
     """§6.4.1 at the last round of an overfitting federation (3 clients x 60 fmnist-small images, full-batch
-    FedSGD, MSE, lr 0.5, 400 rounds): calibrated on the round before (the paper's setting), the attack
-    is clearly above chance without the defence (measured 0.663 last layer, 0.646 second-to-last, on
-    240 scored records) and at chance under it (measured 0.500, 0.517)."""
+    FedSGD, MSE, lr 0.5, 400 rounds): calibrated on the round before (the paper's setting) with the
+    client's own 60 records and 60 test records, and scored on the other clients' 120 records and 120
+    unseen test records, the attack is clearly above chance without the defence (measured 0.663 last
+    layer, 0.646 second-to-last) and at chance under it (measured 0.500, 0.517)."""
     obs = [{"name": "curious-client", "client": 0, "inversion": False, "mia_records": 300,
             "mia_features": ["last", "second"]}]
     sets = dict(MLP, federation__num_clients=3, federation__rounds=400, train__lr=0.5, train__batch_size=60,
