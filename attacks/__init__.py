@@ -1,7 +1,7 @@
 """Gradient-leakage attacks of a curious server.
 
 Importing this package registers every attack in :data:`fedsim.components.ATTACKS` and the curious
-server in :data:`fedsim.components.OBSERVERS`:
+server and seed 002's curious client (``curious-client``) in :data:`fedsim.components.OBSERVERS`:
 
 * ``dlg``  - Deep Leakage from Gradients (Zhu et al. 2019), labels optimised jointly;
 * ``idlg`` - DLG with labels inferred from the gradient (Zhao et al. 2020);
@@ -19,7 +19,7 @@ from typing import Any
 
 from fedsim.components import declared_params
 
-from . import cpl, curious, dlg, inverting, regularised, robbing  # noqa: F401  (registration)
+from . import cpl, curious, curious_client_observer, dlg, inverting, regularised, robbing  # noqa: F401
 from .base import ATTACKS, Attack, AttackInput, AttackResult, register
 
 

@@ -76,6 +76,12 @@ ENCRYPT_SECONDS = "encrypt-seconds"  # online (critical-path) encryption time of
 CLIPPED = "clipped"  # values the quantizer clipped in one reply
 INLINE_OBFUSCATORS = "inline-obfuscators"  # obfuscators computed on the critical path for one reply
 
+# ---- EXTRAS array names of seed 002's lossless perturbation (strategies/lossless.py <-> clients/lossless.py)
+LOSSLESS_MODEL = "lossless.model."  # + state-dict name: the perturbed model W^ in float64 (server -> client)
+LOSSLESS_R_A = "lossless.r_a"  # public additive noise r^(a), float64 (server -> client)
+LOSSLESS_GROUPS = "lossless.groups"  # public output partition I_1..I_m, int64 (server -> client)
+LOSSLESS_TERMS = "lossless.terms"  # fedsim.lossless.ClientTerms.to_arrays() flattened into one float64 array (client -> server)
+
 # ---- node config keys (set by Flower's simulation engine and by the in-process grid)
 NODE_PARTITION_ID = "partition-id"
 NODE_NUM_PARTITIONS = "num-partitions"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
@@ -293,6 +293,11 @@ class RoundEngine:
         content = RecordDict({CONFIG: config, **self.channel.outgoing(state_out)})
         for t in self.transforms:
             for k, v in t.message_extras(server_round).items():
+                if k in content and isinstance(v, ArrayRecord) and isinstance(content[k], ArrayRecord):
+                    clash = set(v.keys()) & set(content[k].keys())
+                    if clash:
+                        raise RuntimeError(f"transforms send the same extra array twice: {sorted(clash)[:3]}")
+                    v = ArrayRecord({**dict(content[k].items()), **dict(v.items())})
                 content[k] = v
         record.sampled = self.sample(server_round)
         ctx = RoundContext(self, grid, server_round, self.channel, config, sent, record)

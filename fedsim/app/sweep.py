@@ -94,9 +94,11 @@ def variant_row(label: str, run_dir: Path) -> dict[str, Any]:
     eps = [v for k, v in (rows[-1] if rows else {}).items() if k.endswith(".epsilon") and v is not None]
     if eps:  # DP accounting reported by the clients' defenses (example-weighted mean over the clients)
         row["epsilon"] = max(eps)
-    for leak in summary.get("leakage", []):
+    # leakage entries of observers (the curious server's "leakage", seed 002's curious client's
+    # "client_leakage"); an entry's "columns" names the keys to show (default: the curious server's)
+    for leak in [*summary.get("leakage", []), *summary.get("client_leakage", [])]:
         a = leak["attack"]
-        for k in ("psnr", "ssim", "label_acc", "success_content"):
+        for k in leak.get("columns", ("psnr", "ssim", "label_acc", "success_content")):
             row[f"{a}.{k}"] = leak.get(k)
     return row
 
