@@ -11,7 +11,8 @@ name           Flower mod                                  parameters
 =============  ==========================================  =========================================
 
 ``local-dp`` clips the client's update (returned - received weights) to ``clipping_norm`` and adds
-Laplace noise of scale ``sensitivity / epsilon`` (Flower's local DP). Flower's server-side DP
+Gaussian noise of standard deviation ``sensitivity * sqrt(2 ln(1.25 / delta)) / epsilon`` to the
+returned model (Flower 1.41's LocalDpMod). Flower's server-side DP
 wrappers (``DifferentialPrivacy*``) wrap a strategy; fedsim's ``clip-update`` + ``gaussian-noise``
 defenses cover fixed clipping with noise inside the defense pipeline.
 """

@@ -23,17 +23,11 @@ from fedsim.rounds import Reply, sample_partitions
 from fedsim.seams import PlainChannel
 
 
-def _partition_sizes(cfg) -> list[int]:
-    """Client data sizes, recomputed from the config independently of the ClientApp."""
-    d = cfg["data"]
-    params = {}
-    if d["partition"] == "dirichlet":
-        params = {"alpha": d["alpha"]}
-    elif d["partition"] == "pathological":
-        params = {k: d[k] for k in ("classes_per_client", "min_per_class", "max_per_class")}
+def _partition_sizes(cfg, scheme: str, **params) -> list[int]:
+    """Client data sizes, recomputed by calling the partitioner with the scheme and parameters the test
+    itself set (not through the config-to-parameter mapping the ClientApp uses)."""
     labels = dataset_for(cfg).y_train.numpy()
-    return [len(p) for p in partition(labels, cfg["federation"]["num_clients"], d["partition"], cfg["seed"],
-                                      **params)]
+    return [len(p) for p in partition(labels, cfg["federation"]["num_clients"], scheme, cfg["seed"], **params)]
 
 
 def _weighted_mean(updates) -> list[np.ndarray]:
@@ -114,7 +108,7 @@ def test_observers_see_every_sampled_client_with_what_was_sent(small_cfg, record
     grid = InProcessGrid(client_app, cfg["federation"]["num_clients"])
     summary = run_server(grid, cfg, None, [recorder], progress=False)
     assert recorder.started and recorder.finished
-    sizes = _partition_sizes(cfg)
+    sizes = _partition_sizes(cfg, "dirichlet", alpha=1.0)
     rounds = recorder.by_round()
     assert sorted(rounds) == [1, 2, 3]
     replies = {r.metadata.reply_to_message_id: r for r in grid.replies_seen}

@@ -20,7 +20,7 @@ from clients.slicing import (
     num_perturbed,
     reservoir_sample,
 )
-from fedsim.defense import DEFENSES, DefensePipeline, build_pipeline
+from fedsim.defense import DefensePipeline, build_pipeline
 from fedsim.models import build_model
 from fedsim.training import Recipe, get_weights, local_train, set_weights
 
@@ -346,9 +346,10 @@ def test_lrp_per_sample_clipping_matches_manual_loop():
 
 
 def test_lrp_config_validation_and_registration():
-    assert DEFENSES["lrp"] is LocalRandomPerturbation
     pipe = build_pipeline([{"name": "lrp", "slices": 5, "gamma": 0.2, "risk": "size"}])
-    assert isinstance(pipe.defenses[0], LocalRandomPerturbation)
+    (lrp,) = pipe.defenses  # the config entry's values reach the defense, defaults fill the rest
+    assert isinstance(lrp, LocalRandomPerturbation)
+    assert (lrp.slices, lrp.gamma, lrp.risk, lrp.sigma) == (5, 0.2, "size", 0.1)
     for bad in [{"slices": 0}, {"gamma": 0.0}, {"gamma": 1.5}, {"sigma": -1}, {"scale": "x"}, {"risk": "x"},
                 {"clip": 0}, {"plan_from": "x"}]:
         with pytest.raises(ValueError):
