@@ -193,3 +193,20 @@ def test_attacker_side_compensation_changes_only_what_the_attack_sees(tmp_path):
     cfg["attack"]["compensate"] = False
     plain = CuriousServer.from_config(cfg).attack_input(upd)
     assert all(np.array_equal(plain.update[n].numpy(), raw[n]) for n in raw)
+
+
+def test_max_images_limits_the_reconstruction_grid_and_the_report_shows_the_numbers(tmp_path):
+    """attack.max_images: at most that many (truth, reconstruction) pairs per attacked update in
+    reconstruction_<attack>.png; report.md's per-victim table carries the leakage.jsonl values."""
+    import matplotlib.image as mpimg
+
+    widths = {}
+    for k in (1, 4):
+        out = tmp_path / f"k{k}"
+        assert cli_main(["attack", "--attack", "idlg", "--batch-size", "4", "--out", str(out), "--set",
+                         "attack.params.idlg.iterations=10", "--set", f"attack.max_images={k}"]) == 0
+        widths[k] = mpimg.imread(out / "reconstruction_idlg.png").shape[1]
+        (row,) = read_jsonl(out / "leakage.jsonl")
+        report = (out / "report.md").read_text()
+        assert f"| 1 | 0 | idlg | 4 | {row['psnr']:.2f} | {row['ssim']:.3f} |" in report
+    assert widths[4] > 2.5 * widths[1]  # four pairs of columns against one
