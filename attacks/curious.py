@@ -282,6 +282,18 @@ class CuriousServer(Observer):
             save_figure(fig, self.out / f"reconstruction_{name}.png")
             plt.close(fig)
 
+    def plot_series(self) -> dict[str, tuple[list[int], list[float], list[float]]]:
+        """What leakage.png plots, per attack: attacked rounds, mean SSIM per round, mean accuracy per round."""
+        out = {}
+        for name in self.names:
+            rs = [r for r in self.rows if r["attack"] == name]
+            rounds = sorted({r["round"] for r in rs})
+            ssim = [float(np.mean([r["ssim"] for r in rs if r["round"] == k])) for k in rounds]
+            acc = [float(np.mean([r["accuracy"] for r in rs if r["round"] == k and r.get("accuracy") is not None]
+                                 or [np.nan])) for k in rounds]
+            out[name] = (rounds, ssim, acc)
+        return out
+
     def _write_plots(self) -> None:
         import matplotlib
 
@@ -291,14 +303,9 @@ class CuriousServer(Observer):
         import matplotlib.pyplot as plt
 
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
-        for name in self.names:
-            rs = [r for r in self.rows if r["attack"] == name]
-            rounds = sorted({r["round"] for r in rs})
-            a1.plot(rounds, [np.mean([r["ssim"] for r in rs if r["round"] == k]) for k in rounds], marker="o",
-                    label=name)
-            acc = [np.mean([r["accuracy"] for r in rs if r["round"] == k and r.get("accuracy") is not None] or [np.nan])
-                   for k in rounds]
-            a2.plot(acc, [np.mean([r["ssim"] for r in rs if r["round"] == k]) for k in rounds], marker="o", label=name)
+        for name, (rounds, ssim, acc) in self.plot_series().items():
+            a1.plot(rounds, ssim, marker="o", label=name)
+            a2.plot(acc, ssim, marker="o", label=name)
         a1.set_xlabel("round")
         a1.set_ylabel("SSIM of reconstruction")
         a2.set_xlabel("global test accuracy")

@@ -36,7 +36,7 @@ def demo_run(tmp_path_factory):
 
 
 def test_simulation_with_curious_server_writes_leakage_outputs(demo_run):
-    cfg, out, rec, _ = demo_run
+    cfg, out, rec, curious = demo_run
     rows = read_jsonl(out / "leakage.jsonl")
     # 10 clients, 3 rounds, iDLG on round 1 against victims 0 and 1, and nowhere else
     assert cfg["federation"]["num_clients"] == 10 and cfg["federation"]["rounds"] == 3
@@ -48,7 +48,12 @@ def test_simulation_with_curious_server_writes_leakage_outputs(demo_run):
     assert max(r["psnr"] for r in rows) > 30
     assert all(r["label_acc"] == 1.0 for r in rows)
     assert (out / "reconstruction_idlg.png").stat().st_size > 1000
-    # leakage.png: two panels (SSIM vs round, SSIM vs accuracy), each with a plotted point
+    # leakage.png plots, per attack, the mean SSIM of each attacked round against the round and the accuracy
+    rounds, ssim, acc = curious.plot_series()["idlg"]
+    metrics = {r["round"]: r for r in read_jsonl(out / "metrics.jsonl")}
+    assert rounds == [1] and ssim == [pytest.approx(np.mean([r["ssim"] for r in rows]))]
+    assert acc == [pytest.approx(metrics[1]["accuracy"])]
+    # ... in two panels (SSIM vs round, SSIM vs accuracy), each with something drawn
     import matplotlib.image as mpimg
 
     img = mpimg.imread(out / "leakage.png")
