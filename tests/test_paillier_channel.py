@@ -299,10 +299,11 @@ def test_a_failed_client_is_recorded_and_the_rest_aggregate(small_cfg, tmp_path,
 
 @pytest.mark.ray
 def test_paillier_fedavg_on_ray_matches_plain_fedavg(small_cfg, tmp_path):
-    """seed 003 Table 4.3 shape: FedAvg with and without the Paillier channel, real Ray simulation."""
-    sets = ("federation.rounds=4", "federation.num_clients=4", 'simulation.backend="ray"', "train.lr=0.05")
+    """seed 003 Table 4.3 shape: FedAvg with the Paillier channel on the real Ray simulation against plain
+    FedAvg (in-process: the two backends give identical metrics for a seed, see test_simulation_ray.py)."""
+    sets = ("federation.rounds=3", "federation.num_clients=3", "train.lr=0.05")
     plain = run_experiment(small_cfg(*sets), out=tmp_path / "plain", progress=False)
-    enc = run_experiment(small_cfg(*sets, *paillier("channel.key_bits=1024")), out=tmp_path / "enc",
+    enc = run_experiment(small_cfg(*sets, *paillier(), 'simulation.backend="ray"'), out=tmp_path / "enc",
                          progress=False)
     a = read_jsonl(plain / "metrics.jsonl")[-1]["accuracy"]
     b = read_jsonl(enc / "metrics.jsonl")[-1]
