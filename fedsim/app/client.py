@@ -179,10 +179,12 @@ def channel_setup(msg: Message, context: Context) -> Message:
 @client_app.train()
 @serve_partitions
 def train(msg: Message, context: Context) -> Message:
-    """Local training, wrapped by the Flower mods the config names (``[[client.flower_mods]]``)."""
+    """Local training, wrapped by the Flower mods the config names (``[[client.flower_mods]]``), inside
+    whatever the channel's client half wraps around it (``ClientChannel.wrap_train``)."""
     cfg = config_of(msg)
     mods = FLOWER_MODS.build_list(cfg.get("client", {}).get("flower_mods", []), "client.flower_mods")
-    return wrap(_train, mods)(msg, context) if mods else _train(msg, context)
+    handler = wrap(_train, mods) if mods else _train
+    return channel_for(cfg).wrap_train(handler)(msg, context)  # e.g. SecAgg+'s stages around training
 
 
 def _train(msg: Message, context: Context) -> Message:
