@@ -9,10 +9,12 @@ message fedsim's own training code expects (``CONFIG`` from the FitIns config, t
 example count, the scalar metrics). Defenses and ``[[client.flower_mods]]`` run inside, on the model
 before it is masked, as under every other channel.
 
-The settings the client needs (clipping range, quantization range, max weight) come from the server's
+The settings the client needs (clipping range, quantization range, max weight, and the model's
+parameter names, which legacy ``Parameters`` do not carry) come from the server's
 ``collect_masked_vectors`` message (``CODEC``), declared once on the server half. Flower's mod rounds
-stochastically with NumPy's global generator; it is seeded from (seed, round, client) for that stage
-(and restored afterwards) so that a run is reproducible. The masks themselves come from ``os.urandom``.
+stochastically with NumPy's global generator; it is seeded from (seed, round, client) between training
+and the rounding (and restored afterwards) so that a run is reproducible. The masks come from
+``os.urandom``.
 """
 from __future__ import annotations
 
@@ -49,10 +51,9 @@ from fedsim.training import derive_seed
 
 
 @contextmanager
-def seeded_numpy(seed: int) -> Iterator[None]:
-    """NumPy's global generator seeded for a block (Flower's stochastic rounding uses it), then restored."""
+def restored_numpy() -> Iterator[None]:
+    """NumPy's global generator state is put back after the block."""
     saved = np.random.get_state()
-    np.random.seed(seed % 2 ** 32)
     try:
         yield
     finally:
@@ -69,14 +70,19 @@ def clipped_count(arrays: list[np.ndarray], num_examples: int, settings: dict[st
 
 
 def legacy_fit(handler: Handler) -> Handler:
-    """``handler`` (fedsim's train handler) as a legacy FitIns -> FitRes handler for ``secaggplus_mod``."""
+    """``handler`` (fedsim's train handler) as a legacy FitIns -> FitRes handler for ``secaggplus_mod``.
+
+    On return it seeds NumPy's global generator from (seed, round, client): the mod's stochastic rounding,
+    which comes next, is then reproducible (the caller restores the generator afterwards)."""
 
     def fit(msg: Message, context: Context) -> Message:
         fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
         settings = json.loads(str(msg.content[CHANNEL][CODEC]))
         arrays = parameters_to_ndarrays(fitins.parameters)
+        if len(arrays) != len(settings["names"]):
+            raise ValueError(f"channel secagg+: {len(arrays)} arrays for a model of {len(settings['names'])}")
         content = RecordDict({CONFIG: ConfigRecord(dict(fitins.config)),
-                              ARRAYS: arrays_record([str(i) for i in range(len(arrays))], arrays)})
+                              ARRAYS: arrays_record(settings["names"], arrays)})
         if EXTRAS in msg.content:
             content[EXTRAS] = msg.content[EXTRAS]
         reply = handler(Message(content=content, metadata=copy.copy(msg.metadata)), context)
@@ -96,6 +102,10 @@ def legacy_fit(handler: Handler) -> Handler:
         scalars = {k: v for k, v in metrics.items()
                    if isinstance(v, (int, float, str, bytes)) and not isinstance(v, bool)}
         fitres = FitRes(Status(Code.OK, "OK"), ndarrays_to_parameters(trained), n, scalars)
+        conf = msg.content[CONFIG]
+        seed = json.loads(str(conf[FEDSIM_CONFIG]))["seed"]
+        np.random.seed(derive_seed(seed, int(conf[SERVER_ROUND]), int(context.node_config[NODE_PARTITION_ID]),
+                                   0x5EC) % 2 ** 32)
         return Message(compat.fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
 
     return fit
@@ -114,13 +124,9 @@ class SecAggPlusClientChannel(PlainClientChannel):
         def run(msg: Message, context: Context) -> Message:
             if RECORD_KEY_CONFIGS not in msg.content:
                 raise ValueError("channel secagg+: a train message outside the SecAgg+ protocol (no stage)")
-            stage = msg.content[RECORD_KEY_CONFIGS].get(Key.STAGE)
-            if stage != Stage.COLLECT_MASKED_VECTORS:
+            if msg.content[RECORD_KEY_CONFIGS].get(Key.STAGE) != Stage.COLLECT_MASKED_VECTORS:
                 return secaggplus_mod(msg, context, fit)
-            conf = msg.content[CONFIG]
-            seed = json.loads(str(conf[FEDSIM_CONFIG]))["seed"]
-            with seeded_numpy(derive_seed(seed, int(conf[SERVER_ROUND]), int(context.node_config[NODE_PARTITION_ID]),
-                                          0x5EC)):
+            with restored_numpy():  # fit seeds it for the rounding that follows training
                 return secaggplus_mod(msg, context, fit)
 
         return run

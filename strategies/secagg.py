@@ -328,8 +328,6 @@ class SecAggPlusChannel(ServerChannel):
         self.timeout, self.on_round_failure = timeout, on_failure
         self.dropout_fraction, self.dropout_clients = float(dropout_fraction), sorted(set(clients))
         self.dropout_stage, self.dropout_rounds = dropout_stage, rounds
-        self.codec = json.dumps({"clipping_range": self.clipping_range, "quantization_range": self.quantization_range,
-                                 "max_weight": self.max_weight}, sort_keys=True)
         self._metrics: dict[str, float] = {}
 
     # ---- configuration --------------------------------------------------------------------------------
@@ -371,6 +369,9 @@ class SecAggPlusChannel(ServerChannel):
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         self.cfg = cfg
         self.names = list(param_names)
+        # what the client half needs: the quantizer's settings, and the names legacy Parameters lack
+        self.codec = json.dumps({"clipping_range": self.clipping_range, "quantization_range": self.quantization_range,
+                                 "max_weight": self.max_weight, "names": self.names}, sort_keys=True)
 
     def dropouts(self, server_round: int, partitions: Sequence[int]) -> dict[int, str]:
         """Partition -> stage for this round's simulated dropouts (a pure function of seed and round)."""

@@ -136,6 +136,30 @@ def test_one_dropout_aggregates_the_clients_whose_model_was_summed(small_cfg, in
     assert server.rows[1]["replies"] == len(survivors) and server.rows[1]["failures"] == 1
 
 
+def test_defenses_and_flower_mods_run_inside_training_before_the_masking(small_cfg):
+    """A defense's noise is in each client's model before secaggplus_mod masks it: the aggregate is the
+    weighted mean of the noised models, and the aggregate reply's noise variance is the mean's,
+    sum_i (n_i/N)^2 sigma^2 (what mp-compensation needs); Flower's local-dp mod composes too."""
+    from conftest import RecordingObserver
+
+    noise = [{"name": "gaussian-noise", "variance": 1e-6}]
+    rec = RecordingObserver()
+    run_inprocess(small_cfg(*BASE, defenses=noise), [rec])
+    ups = {u.client_id: u for u in rec.by_round()[1]}
+    models = {c: [np.asarray(w, dtype=np.float64) for w in u.weights] for c, u in ups.items()}
+    counts = {c: u.num_examples for c, u in ups.items()}
+    clients = sorted(ups)
+    _, server, got, _ = run_inprocess(small_cfg(*BASE, *secagg(), defenses=noise), [])
+    assert max_diff(got, weighted_mean(models, counts, clients)) <= quantization_bound(counts, clients)
+    n = np.array([counts[c] for c in clients], dtype=np.float64)
+    expected_var = float(np.sum((n / n.sum()) ** 2 * [ups[c].metrics["noise_variance"] for c in clients]))
+    assert server.rows[1]["noise_variance"] == pytest.approx(expected_var, rel=1e-9)
+    mod = [{"name": "local-dp", "clipping_norm": 10.0, "sensitivity": 0.01, "epsilon": 10.0, "delta": 1e-5}]
+    _, server, got_dp, summary = run_inprocess(small_cfg(*BASE, *secagg(), client__flower_mods=mod), [])
+    assert summary["client_failures"] == 0 and server.rows[1]["replies"] == 5
+    assert max_diff(got_dp, weighted_mean(models, counts, clients)) > 0
+
+
 def test_flower_alone_halts_when_a_client_vanishes_before_sharing_keys(small_cfg, monkeypatch):
     """Flower 1.41 keeps such a client among the sampled ones and asks its neighbours for key shares they
     never got: the repair in strategies/secagg.py (_Workflow) is what makes the case above pass."""
