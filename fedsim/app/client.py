@@ -13,7 +13,9 @@ Messages handled (names in :mod:`fedsim.protocol`):
 * ``TRAIN``: the channel decodes the global model; local SGD through the defense pipeline (wrapped
   by the configured Flower mods); the channel encodes the new model. The reply carries it with
   ``num-examples``, ``partition-id`` and training/defense metrics. State that must persist
-  (residuals, keys) is kept in ``Context.state`` and never put in a reply.
+  (residuals, keys) is kept in ``Context.state`` and never put in a reply. A channel whose protocol
+  has several stages wraps this handler (``ClientChannel.wrap_train``; SecAgg+ puts Flower's
+  ``secaggplus_mod`` around it).
 * ``EVALUATE``: the channel decodes the global model; reply with its loss and accuracy on the
   common test split (used when the server cannot read the model).
 """
