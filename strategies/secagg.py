@@ -163,6 +163,8 @@ class _Workflow(SecAggPlusWorkflow):
         fewest = min((len(state.nid_to_neighbours[n] & state.active_node_ids) for n in state.sampled_node_ids),
                      default=0)
         self.last_check = (self._stage, fewest, int(state.threshold))
+        if len(state.sampled_node_ids) < max(2, int(state.threshold)):
+            return False  # (nearly) everyone vanished: Flower's per-node check would pass on an empty set
         return super()._check_threshold(state)
 
 

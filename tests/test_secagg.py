@@ -203,6 +203,18 @@ def test_below_the_threshold_the_round_fails_and_the_run_continues(small_cfg, tm
     assert json.loads((out / "summary.json").read_text())["rounds_failed"] == 1
 
 
+@pytest.mark.parametrize("stage", ["setup", "share_keys"])
+def test_when_everyone_vanishes_early_the_round_is_a_recorded_failure(small_cfg, stage):
+    """Once every client is forgotten, Flower's per-client threshold check holds vacuously and its unmask
+    stage crashed on an empty sum (IndexError): the channel halts the round instead."""
+    cfg = small_cfg(*BASE, *secagg("channel.dropout_clients=[0, 1, 2, 3, 4]", f'channel.dropout_stage="{stage}"',
+                                   'channel.on_failure="continue"'))
+    _, server, got, summary = run_inprocess(cfg, [])
+    assert summary["rounds_failed"] == 1 and server.rows[1]["replies"] == 0
+    assert sorted(f["client"] for f in summary["failures"]) == [0, 1, 2, 3, 4]
+    assert max_diff(got, [np.asarray(a, dtype=np.float64) for a in server.initial]) == 0
+
+
 def test_dropout_fraction_is_a_function_of_seed_and_round(small_cfg):
     ch = secagg_mod.SecAggPlusChannel(dropout_fraction=0.4)
     ch.setup([], small_cfg(*BASE))
