@@ -11,6 +11,11 @@ from the client: the client's batch order is a pure function of (seed, round, cl
 scorer recomputes exactly which samples the victim trained on. Reconstructions are matched to those
 samples by optimal assignment before PSNR/SSIM/MSE/label accuracy are computed.
 
+Under secure aggregation (SecAgg+) the server sees only the round's aggregate of k clients (an update
+of kind ``"aggregate"`` with its ``contributors``): it attacks it as one large batch (seed 004 §3.3) of
+k times the configured batch size, scored against the union of the contributors' samples; the report
+says it attacked an aggregate of k clients. Ciphertexts (Paillier) are not attacked at all.
+
 Config (``[attack]``)::
 
     [attack]
@@ -136,6 +141,12 @@ class CuriousServer(Observer):
     def on_start(self, out_dir: Path | None) -> None:
         self.out = out_dir
 
+    def _attacks_aggregate(self, update: ClientUpdate) -> bool:
+        """An aggregate is attacked when every contributor may be a victim, or a chosen victim is one."""
+        if self.victims == "sampled" or isinstance(self.victims, int):
+            return True
+        return any(v in update.contributors for v in self.victims)
+
     def observe(self, update: ClientUpdate) -> None:
         if not self.attacks_round(update.round):
             return
@@ -146,11 +157,16 @@ class CuriousServer(Observer):
 
     def on_round_end(self, round: int, metrics: Mapping[str, Any]) -> None:
         pending = self._pending.pop(round, [])
-        if pending:
-            by_client = {u.client_id: u for u in pending}
+        individual = [u for u in pending if u.kind != "aggregate"]
+        if individual:
+            by_client = {u.client_id: u for u in individual}
             for cid in self._chosen_victims(round, list(by_client)):
                 for name in self.names:
                     self.rows.append(self.attack_one(by_client[cid], name))
+        for u in pending:  # secure aggregation: the aggregate of k clients, attacked as one large batch
+            if u.kind == "aggregate" and self._attacks_aggregate(u):
+                for name in self.names:
+                    self.rows.append(self.attack_one(u, name))
         for r in self.rows:  # the global model's accuracy at the end of the attacked round
             if r["round"] == round and "accuracy" not in r:
                 r["accuracy"] = metrics.get("accuracy")
@@ -163,13 +179,36 @@ class CuriousServer(Observer):
         out: dict[str, Any] = {"leakage": self.summary_rows()}
         if self.unreadable:
             out["leakage_note"] = self.unreadable_note()
+        elif self.aggregate_note():
+            out["leakage_note"] = self.aggregate_note()
         return out
+
+    def aggregate_note(self) -> str:
+        """Says what was attacked when the channel gave the server aggregates only ("" otherwise)."""
+        agg = [r for r in self.rows if r.get("aggregate_of")]
+        if not agg:
+            return ""
+        ks = sorted({r["aggregate_of"] for r in agg})
+        batches = sorted({r["batch_size"] for r in agg})
+        return (f"the channel gave the server only the secure aggregate: it attacked the aggregate of "
+                f"{' / '.join(map(str, ks))} clients as one batch of {' / '.join(map(str, batches))} images "
+                f"({len(agg)} attacks; scored against the union of the contributors' samples)")
 
     def unreadable_note(self) -> str:
         return (f"attacked nothing on {self.unreadable} intercepted replies: the channel gave the server "
                 "ciphertexts only (no plaintext update, no plaintext aggregate)")
 
     # ---- attacking and scoring -------------------------------------------------------------------
+    @staticmethod
+    def aggregate_recipe(update: ClientUpdate) -> dict[str, Any]:
+        """The recipe an aggregate of k clients looks like to the attacker (seed 004 §3.3): FedAvg's
+        example-weighted mean of k one-batch updates is, for equal example counts, the update of one batch
+        of the k clients' images, so the batch is k times the configured one (at most the examples)."""
+        recipe = dict(update.recipe)
+        k = max(1, len(update.contributors))
+        recipe["batch_size"] = int(min(k * int(recipe["batch_size"]), max(update.num_examples, 1)))
+        return recipe
+
     def attack_input(self, update: ClientUpdate) -> AttackInput:
         ds = dataset_for(self.cfg)
         names = update.param_names
@@ -178,8 +217,9 @@ class CuriousServer(Observer):
         if self.compensate:
             delta = self.compensated(update, delta)
         upd = {n: torch.as_tensor(d) for n, d in zip(names, delta)}
+        recipe = self.aggregate_recipe(update) if update.kind == "aggregate" else dict(update.recipe)
         return AttackInput(model_fn=lambda: model_for(self.cfg), global_state=glob, update=upd,
-                           recipe=dict(update.recipe), input_shape=ds.in_shape, num_classes=ds.num_classes,
+                           recipe=recipe, input_shape=ds.in_shape, num_classes=ds.num_classes,
                            num_examples=update.num_examples, device=self.device,
                            seed=self.seed * 1000003 + update.round * 1009 + update.client_id)
 
@@ -193,10 +233,16 @@ class CuriousServer(Observer):
         return GlobalUpdateCompensation(Q=self.compensate_Q).apply(delta, float(var), names=list(update.param_names))
 
     def ground_truth(self, update: ClientUpdate) -> tuple[torch.Tensor, torch.Tensor]:
-        """The samples the victim trained on this round, re-created from (seed, round, client)."""
-        x, y = client_data(self.cfg, update.client_id)
-        sched = batch_schedule(self.cfg["seed"], update.round, update.client_id, len(y),
-                               Recipe.from_mapping(update.recipe))
+        """The samples the victim trained on this round, re-created from (seed, round, client); for an
+        aggregate, the union of every contributor's samples."""
+        if update.kind == "aggregate":
+            parts = [self.client_truth(c, update.round, update.recipe) for c in update.contributors]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return self.client_truth(update.client_id, update.round, update.recipe)
+
+    def client_truth(self, client: int, rnd: int, recipe: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = client_data(self.cfg, client)
+        sched = batch_schedule(self.cfg["seed"], rnd, client, len(y), Recipe.from_mapping(recipe))
         seen: list[int] = []
         for b in sched:
             for i in b.tolist():
@@ -219,12 +265,16 @@ class CuriousServer(Observer):
         score = score_reconstruction(rx, ry, tx, ty, psnr_threshold=self.psnr_threshold,
                                      ssim_threshold=self.ssim_threshold)
         matched = rx[torch.as_tensor(score["assignment"])]
-        self._images[f"{name}-r{update.round}-c{update.client_id}"] = (tx, matched)
+        who = f"agg{len(update.contributors)}" if update.kind == "aggregate" else f"c{update.client_id}"
+        self._images[f"{name}-r{update.round}-{who}"] = (tx, matched)
         row = {"round": update.round, "client": update.client_id, "attack": name, "batch_size": len(rx),
                "psnr": score["psnr"], "ssim": score["ssim"], "mse": score["mse"], "label_acc": score["label_acc"],
                "success_content": score["success_content"], "success_label": score["success_label"],
                "iterations": result.trace.get("iterations"), "converged_at": result.trace.get("converged_at"),
                "seconds": seconds, "final_loss": (result.trace.get("loss") or [None])[-1]}
+        if update.kind == "aggregate":  # secure aggregation: one batch made of k clients' images
+            row["aggregate_of"] = len(update.contributors)
+            row["contributors"] = list(update.contributors)
         return row
 
     # ---- outputs ------------------------------------------------------------------------------------
@@ -329,14 +379,16 @@ class CuriousServer(Observer):
                 f"assignment; content success (ASR_c) = share of images with SSIM >= {self.ssim_threshold}"
                 f"{f' and PSNR >= {self.psnr_threshold} dB' if self.psnr_threshold is not None else ''}; "
                 f"label success (ASR_l) = share of labels recovered.\n",
+                *([f"Secure aggregation: {self.aggregate_note()}.\n"] if self.aggregate_note() else []),
                 "### Per attack (mean over attacked updates)\n",
                 md_table(self.summary_rows(), ["attack", "attacks_run", "psnr", "ssim", "mse", "label_acc",
                                                "success_content", "success_label", "iterations", "seconds"],
                          {"psnr": ".2f", "ssim": ".3f", "mse": ".4g", "label_acc": ".2f", "seconds": ".2f",
                           "iterations": ".0f", "success_content": ".2f", "success_label": ".2f"}),
                 "### Per round and victim\n",
-                md_table(self.rows, ["round", "client", "attack", "batch_size", "psnr", "ssim", "mse", "label_acc",
-                                     "iterations", "seconds", "accuracy"],
+                md_table(self.rows, ["round", "client", *(["aggregate_of"] if self.aggregate_note() else []), "attack",
+                                     "batch_size", "psnr", "ssim", "mse", "label_acc", "iterations", "seconds",
+                                     "accuracy"],
                          {"psnr": ".2f", "ssim": ".3f", "label_acc": ".2f", "seconds": ".2f", "accuracy": ".4f"}),
                 "![leakage](leakage.png)\n"]
         text += [f"![{n}](reconstruction_{n}.png)\n" for n in self.names

@@ -129,6 +129,8 @@ class UpdateNormObserver(Observer):
     def observe(self, update: ClientUpdate) -> None:
         row: dict[str, Any] = {"round": update.round, "client": update.client_id,
                                "num_examples": update.num_examples, "kind": update.kind}
+        if update.contributors:  # secure aggregation: one row for the round's aggregate
+            row["contributors"] = list(update.contributors)
         if update.weights and update.global_weights:
             row["update_norm"] = float(np.sqrt(sum(float(np.sum(d.astype(np.float64) ** 2))
                                                    for d in update.delta())))

@@ -20,7 +20,7 @@ no plugin.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 from flwr.app import Context, Message, RecordDict
@@ -34,9 +34,17 @@ if TYPE_CHECKING:  # pragma: no cover
 # ---- what a channel gives the server
 INDIVIDUAL = "each client's model in plaintext"
 WEIGHTED_SUM = "weighted sums of client models"
+EXAMPLE_WEIGHTED_MEAN = "the example-weighted mean of the client models"  # implied by WEIGHTED_SUM
 PLAINTEXT_AGGREGATE = "the aggregate in plaintext"
 
+
+def capabilities(provides: frozenset[str]) -> frozenset[str]:
+    """What a channel gives, with what it implies: weighted sums with any weights include the
+    example-weighted mean (a channel such as SecAgg+ gives only the latter)."""
+    return provides | {EXAMPLE_WEIGHTED_MEAN} if WEIGHTED_SUM in provides else provides
+
 Arrays = list[np.ndarray]
+Handler = Callable[[Message, Context], Message]
 
 
 class ChannelError(RuntimeError):
@@ -127,6 +135,10 @@ class ServerChannel:
 
     name: ClassVar[str] = ""
     provides: ClassVar[frozenset[str]] = frozenset()
+    #: what the server does after a round in which no client's model reached the aggregate (every
+    #: sampled client failed, or a secure-aggregation protocol halted): ``"stop"`` the run with an
+    #: error, or ``"continue"`` with the global model unchanged (the round is recorded as failed)
+    on_round_failure: str = "stop"
 
     def validate_config(self, cfg: Mapping[str, Any]) -> None:
         """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
@@ -191,6 +203,11 @@ class ClientChannel:
         """Records carrying this client's model to the server."""
         raise NotImplementedError
 
+    def wrap_train(self, handler: Handler) -> Handler:
+        """The ClientApp's train handler as this channel runs it (default: unchanged). A channel whose
+        protocol has several message stages (Flower's SecAgg+ mod) wraps the handler that trains."""
+        return handler
+
 
 # ---- the plain channel ---------------------------------------------------------------------------
 @CHANNELS.register
@@ -249,8 +266,8 @@ class PlainClientChannel(ClientChannel):
 def check_compatible(channel: type[ServerChannel], rule: type[AggregationRule],
                      transforms: Sequence[tuple[str, type[ServerTransform]]]) -> None:
     """Refuse a rule or transform that needs something the channel does not give the server."""
-    gives = channel.provides
-    compatible = lambda need: sorted(n for n, c in CHANNELS.items() if need <= c.provides)  # noqa: E731
+    gives = capabilities(channel.provides)
+    compatible = lambda need: sorted(n for n, c in CHANNELS.items() if need <= capabilities(c.provides))  # noqa: E731
     missing = rule.requires - gives
     if missing:
         raise ConfigError(f"strategy.name = {rule.name!r} needs {', '.join(sorted(missing))}, which channel "

@@ -13,7 +13,9 @@ Messages handled (names in :mod:`fedsim.protocol`):
 * ``TRAIN``: the channel decodes the global model; local SGD through the defense pipeline (wrapped
   by the configured Flower mods); the channel encodes the new model. The reply carries it with
   ``num-examples``, ``partition-id`` and training/defense metrics. State that must persist
-  (residuals, keys) is kept in ``Context.state`` and never put in a reply.
+  (residuals, keys) is kept in ``Context.state`` and never put in a reply. A channel whose protocol
+  has several stages wraps this handler (``ClientChannel.wrap_train``; SecAgg+ puts Flower's
+  ``secaggplus_mod`` around it).
 * ``EVALUATE``: the channel decodes the global model; reply with its loss and accuracy on the
   common test split (used when the server cannot read the model).
 """
@@ -179,10 +181,12 @@ def channel_setup(msg: Message, context: Context) -> Message:
 @client_app.train()
 @serve_partitions
 def train(msg: Message, context: Context) -> Message:
-    """Local training, wrapped by the Flower mods the config names (``[[client.flower_mods]]``)."""
+    """Local training, wrapped by the Flower mods the config names (``[[client.flower_mods]]``), inside
+    whatever the channel's client half wraps around it (``ClientChannel.wrap_train``)."""
     cfg = config_of(msg)
     mods = FLOWER_MODS.build_list(cfg.get("client", {}).get("flower_mods", []), "client.flower_mods")
-    return wrap(_train, mods)(msg, context) if mods else _train(msg, context)
+    handler = wrap(_train, mods) if mods else _train
+    return channel_for(cfg).wrap_train(handler)(msg, context)  # e.g. SecAgg+'s stages around training
 
 
 def _train(msg: Message, context: Context) -> Message:

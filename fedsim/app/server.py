@@ -7,7 +7,9 @@ every round:
 1. ``engine.run_round`` - send, collect, intercept (observers see every reply), aggregate; returns the
    new global state and a :class:`fedsim.rounds.RoundRecord`;
 2. ``round_end`` - evaluate the global model (centrally when the server can read it, else by a client
-   on the common test split), stop if every sampled client failed, let observers act on the round
+   on the common test split), stop if no client's model reached the aggregate (or, when the channel
+   says ``on_round_failure = "continue"``, record the round as failed and keep the global model), let
+   observers act on the round
    (the curious server attacks here, timed apart), append the row to ``metrics.jsonl``, print progress.
 
 At the end it writes ``model.pt`` (when the server can read the model), ``accuracy.png``,
@@ -74,8 +76,12 @@ class Server:
         rnd = record.round
         if rnd > 0 and record.replies == 0 and record.failures:
             first = record.failures[0]
-            raise RuntimeError(f"round {rnd}: all {len(record.failures)} sampled clients failed; the first error "
-                               f"(client {first.get('client')}): {first.get('reason', '?')}")
+            what = (f"round {rnd}: all {len(record.failures)} sampled clients failed; the first error "
+                    f"(client {first.get('client')}): {first.get('reason', '?')}")
+            if self.engine.channel.on_round_failure != "continue":
+                raise RuntimeError(what)
+            row["round_failed"] = True  # the global model stays as it was (the channel says: continue)
+            log.warning("%s; continuing with the global model unchanged", what.splitlines()[0])
         t_obs = time.perf_counter()
         for obs in self.observers:  # e.g. the curious server's attacks: timed apart from the round
             obs.on_round_end(rnd, row)
@@ -119,6 +125,7 @@ class Server:
             "best_accuracy": max(accs, default=None), "initial_accuracy": rows[0]["accuracy"] if rows else None,
             "evaluated_by": final.get("evaluated_by"), "seconds": seconds,
             "client_failures": len(self.engine.failures), "failures": self.engine.failures,
+            "rounds_failed": sum(1 for r in rows if r.get("round_failed")),
             "clients": len(self.engine.partition_node), "nodes": len(self.engine.node_partitions),
             "clients_configured": self.cfg["federation"]["num_clients"],
         }
