@@ -219,6 +219,20 @@ def test_the_exchange_sends_each_client_the_fused_models_and_the_weights_follow_
     assert np.abs(shares[0] - shares[1]).max() > 1e-3  # the others' shares are drawn afresh
 
 
+def test_with_two_clients_the_fusion_does_not_hide_the_other_model_from_a_client(small_cfg):
+    """The limit docs/fedboosting.md states: with N = 2 the other client's share is 1 - p_hat whatever the
+    draw, and p_hat travels in the config, so client 0 recovers client 1's model from its fused copy."""
+    cfg = small_cfg(*SYNTH, *BOOST, "federation.num_clients=2", "federation.rounds=1")
+    grid, *_ = run_inprocess(cfg)
+    train = exchanges(grid, TRAIN, 1)
+    x = [flat(decode_arrays(r.content[ARRAYS])) for _, r in train]
+    msg = next(m for m, _ in exchanges(grid, CROSS_VALIDATE, 1))
+    fused_1 = flat(decode_arrays(msg.content[f"{ARRAYS}#1"]))
+    assert np.abs(fused_1 - x[1]).max() > 1e-3  # hidden from a glance ...
+    recovered = (fused_1 - 0.1 * x[0]) / 0.9  # ... but not from client 0, which knows x[0] and p_hat
+    np.testing.assert_allclose(recovered, x[1], atol=1e-5)
+
+
 def test_a_failed_crossvalidation_reply_is_recorded_and_the_round_aggregates(small_cfg, monkeypatch):
     import fedsim.app.client as client_mod
 
@@ -311,3 +325,27 @@ def test_fedboosting_on_ray_matches_the_inprocess_run(small_cfg, tmp_path):
     for a, b in zip(ray_rows[1:], local_rows[1:]):
         assert a["strategy.weight.0"] == pytest.approx(b["strategy.weight.0"], abs=1e-4)
         assert a["accuracy"] == pytest.approx(b["accuracy"], abs=1e-3)
+
+
+def test_the_decision_boundary_figure_is_one_command(tmp_path):
+    """``python -m experiments.fedboosting_boundaries`` (here shortened: one round, 10% of the data to train)."""
+    from PIL import Image
+
+    from experiments import fedboosting_boundaries as fb
+
+    out = tmp_path / "sweep"
+    assert fb.main(["--out", str(out), "--quiet", "--set", "federation.rounds=1", "--set", "data.val_fraction=0.9",
+                    "--set", "train.batch_size=64"]) == 0
+    rows = read_jsonl(out / "sweep.jsonl")
+    assert [r["variant"] for r in rows] == ["centralised", "FedAvg", "FedBoosting"]
+    with Image.open(out / fb.FIGURE) as im:
+        assert im.format == "PNG" and im.size[0] > 1000 and im.size[1] > 700
+        assert len(set(im.convert("RGB").getdata())) > 50  # filled panels, not a blank canvas
+    # the plotted probabilities are the model's
+    from fedsim.app.sweep import load_sweep
+
+    cfg = dict(load_sweep(fb.SWEEP, ["federation.rounds=1", "data.val_fraction=0.9", "train.batch_size=64"])[1])
+    model = fb._model(cfg["FedBoosting"], out / rows[2]["run"])
+    xx, yy, prob = fb.grid_probabilities(model, (-2.0, 2.0), (-1.0, 1.0), steps=5)
+    pt = torch.tensor([[float(xx[1, 3]), float(yy[1, 3])]])
+    assert prob[1, 3] == pytest.approx(float(torch.softmax(model(pt), 1)[0, 1]), abs=1e-6)
