@@ -349,3 +349,25 @@ def test_the_decision_boundary_figure_is_one_command(tmp_path):
     xx, yy, prob = fb.grid_probabilities(model, (-2.0, 2.0), (-1.0, 1.0), steps=5)
     pt = torch.tensor([[float(xx[1, 3]), float(yy[1, 3])]])
     assert prob[1, 3] == pytest.approx(float(torch.softmax(model(pt), 1)[0, 1]), abs=1e-6)
+
+
+def test_the_table_script_lays_out_table_4_3(tmp_path):
+    from experiments import fedboosting_table as ft
+
+    assert ft.parse_label("dir0.1 FedBoosting HE+DP") == ("dir0.1", "FedBoosting", "HE+DP")
+    assert ft.parse_label("k3 FedAvg") == ("k3", "FedAvg", "N/A")
+    runs = {}
+    for i, (method, prot) in enumerate(ft.ROWS):
+        acc = [0.1] + [0.01 * i + 0.02 * r for r in range(1, 8)]
+        runs[("k3", method, prot)] = [{"round": r, "accuracy": a, "seconds": 1.0 + i} for r, a in enumerate(acc)]
+    text = ft.table(runs)
+    lines = text.strip().splitlines()
+    assert lines[0].split("|")[1:-1] == [" method ", " protection ", " k3 final ", " k3 last-5 ", " k3 mean ",
+                                         " k3 s/round "]
+    assert len(lines) == 2 + len(ft.ROWS)
+    cells = [c.strip() for c in lines[2 + 4].split("|")[1:-1]]  # FedBoosting HE+DP: i = 4
+    acc = [0.04 + 0.02 * r for r in range(1, 8)]
+    assert cells[:2] == ["FedBoosting", "HE+DP"]
+    assert [float(c) for c in cells[2:]] == pytest.approx([acc[-1], np.mean(acc[-5:]), np.mean(acc), 5.0], abs=1e-4)
+    ft.curves(runs, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
