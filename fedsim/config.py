@@ -64,12 +64,15 @@ SCHEMA: dict[str, Field] = {
     "federation.num_clients": Field(int, 10, min=1),
     "federation.clients_per_round": Field(int, 0, min=0, help="0 = all clients every round"),
     "data.dataset": Field(str, "fmnist-small", choices=_datasets),
-    "data.partition": Field(str, "iid", choices=("iid", "dirichlet", "pathological")),
+    "data.partition": Field(str, "iid", choices=("iid", "dirichlet", "pathological", "natural"),
+                            help="natural: one source per client (datasets with sources, e.g. synthetic-2d)"),
     "data.alpha": Field(NUM, 0.5, min=1e-6, help="Dirichlet concentration"),
     "data.classes_per_client": Field(int, 2, min=1, help="pathological: classes per client"),
     "data.min_per_class": Field(int, 10, min=1, help="pathological: fewest samples per class"),
     "data.max_per_class": Field(int, 50, min=1, help="pathological: most samples per class"),
     "data.root_size": Field(int, 100, min=1, help="public root split held out from client data"),
+    "data.val_fraction": Field(NUM, 0.0, min=0.0, max=0.9, help="share of each client's data held out as its "
+                               "local validation split (FedBoosting's cross-validation); 0 = none"),
     "data.data_dir": Field(str, None, nullable=True, help="folder with dataset files"),
     "data.download": Field(bool, False, help="let torchvision download (needs internet)"),
     "model.name": Field(str, "lenet", choices=_models),
@@ -253,6 +256,12 @@ def validate(cfg: dict[str, Any]) -> None:
     if data["min_per_class"] > data["max_per_class"]:
         raise ConfigError(f"data.min_per_class ({data['min_per_class']}) must be <= data.max_per_class "
                           f"({data['max_per_class']})")
+    if data["partition"] == "natural":
+        from fedsim.data import DATASETS
+
+        if not DATASETS[data["dataset"]].sources:
+            raise ConfigError(f"data.partition = 'natural' needs a dataset with natural sources "
+                              f"({sorted(n for n, e in DATASETS.items() if e.sources)}), got {data['dataset']!r}")
     if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
         raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
     for section in LIST_SECTIONS:

@@ -32,6 +32,9 @@ def partition_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
         return {"alpha": d["alpha"]}
     if d["partition"] == "pathological":
         return {k: d[k] for k in ("classes_per_client", "min_per_class", "max_per_class")}
+    if d["partition"] == "natural":
+        sources = dataset_for(cfg).sources
+        return {"sources": None if sources is None else sources.numpy()}
     return {}
 
 
@@ -48,10 +51,32 @@ def partitions_for(cfg: Mapping[str, Any]) -> tuple[np.ndarray, ...]:
     return _partitions(config_text(cfg))
 
 
+def validation_split(cfg: Mapping[str, Any], partition_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training, validation) indices of client ``partition_id``'s partition.
+
+    ``data.val_fraction = f > 0`` holds ``round(f * n)`` of the client's ``n`` samples out of its training
+    data (at least one, and at least one left to train on, when ``n >= 2``), drawn from (seed, client);
+    with ``f = 0`` (the default) the validation split is empty and the training data is the partition."""
+    idx = partitions_for(cfg)[partition_id]
+    f = float(cfg["data"].get("val_fraction") or 0.0)
+    if f <= 0 or len(idx) < 2:
+        return idx, idx[:0]
+    n_val = min(max(int(round(f * len(idx))), 1), len(idx) - 1)
+    perm = np.random.default_rng([int(cfg["seed"]), int(partition_id), 0x7A1]).permutation(len(idx))
+    return np.sort(idx[perm[n_val:]]), np.sort(idx[perm[:n_val]])
+
+
 def client_data(cfg: Mapping[str, Any], partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Client ``partition_id``'s local training data."""
+    """Client ``partition_id``'s local training data (its partition minus its validation split)."""
     ds = dataset_for(cfg)
-    idx = torch.as_tensor(partitions_for(cfg)[partition_id])
+    idx = torch.as_tensor(validation_split(cfg, partition_id)[0])
+    return ds.x_train[idx], ds.y_train[idx]
+
+
+def client_validation_data(cfg: Mapping[str, Any], partition_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Client ``partition_id``'s local validation split (``data.val_fraction``; empty by default)."""
+    ds = dataset_for(cfg)
+    idx = torch.as_tensor(validation_split(cfg, partition_id)[1])
     return ds.x_train[idx], ds.y_train[idx]
 
 

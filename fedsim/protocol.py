@@ -42,6 +42,8 @@ LOCAL_STEPS = "local_steps"
 LOCAL_EPOCHS = "local_epochs"
 RECIPE_KEYS = (LR, BATCH_SIZE, LOCAL_STEPS, LOCAL_EPOCHS)
 STAGE = "stage"  # a channel's setup stage (e.g. key agreement)
+REPORT_TRAIN_LOSS = "report-train-loss"  # train: also report the trained model's loss on the training split
+CROSSVAL_MODELS = "crossval-models"  # cross-validation: how many models the message carries (see for_model)
 PARTITIONS = "partitions"  # the virtual clients (partition ids) a message to a node addresses
 
 # ---- MetricRecord keys (client -> server)
@@ -54,6 +56,9 @@ EVAL_LOSS = "eval_loss"
 EVAL_ACCURACY = "eval_accuracy"
 EVAL_EXAMPLES = "eval_examples"
 HOSTED_PARTITIONS = "hosted-partitions"  # query reply: the partitions a node serves
+FINAL_TRAIN_LOSS = "final_train_loss"  # train reply (if asked): loss of the trained model on the training split
+CROSSVAL_LOSSES = "crossval-losses"  # cross-validation reply: each model's loss on the validation split
+VAL_EXAMPLES = "val-examples"  # cross-validation reply: size of the client's validation split
 CLIENT_ID_KEYS = (PARTITION_ID, NUM_EXAMPLES)  # per-client bookkeeping, meaningless when averaged
 
 # ---- a virtual client's failure inside a multi-client message (ConfigRecord record, see for_partition)
@@ -95,6 +100,9 @@ TRAIN = MessageType.TRAIN  # local training; reply: the client's model (through 
 EVALUATE = MessageType.EVALUATE  # evaluate the global model on the common test split (encrypted channels)
 QUERY = MessageType.QUERY  # discovery: reply with the node's partition id
 CHANNEL_SETUP = f"{MessageType.QUERY}.channel"  # a channel's setup exchange (key agreement, key delivery)
+CROSS_VALIDATE_ACTION = "crossval"
+# evaluate several models on the client's validation split (FedBoosting, strategies/fedboosting.py)
+CROSS_VALIDATE = f"{MessageType.EVALUATE}.{CROSS_VALIDATE_ACTION}"
 
 
 # ---- virtual clients: one node serving several partitions -------------------------------------------
@@ -119,6 +127,17 @@ def hosted_partitions(node_index: int, clients_per_node: int, num_clients: int) 
 def num_nodes(num_clients: int, clients_per_node: int) -> int:
     k = max(1, int(clients_per_node))
     return -(-int(num_clients) // k)
+
+
+# ---- several models in one message: each model's records carry the suffix ``#<k>`` (k = 0, 1, ...);
+# CROSSVAL_MODELS in the CONFIG record says how many. The suffix goes before a partition suffix.
+def for_model(record: str, k: int) -> str:
+    return f"{record}#{int(k)}"
+
+
+def split_model(record: str) -> tuple[str, int | None]:
+    base, sep, tail = record.rpartition("#")
+    return (base, int(tail)) if sep and tail.isdigit() else (record, None)
 
 
 # ---- helpers both sides use ------------------------------------------------------------------------

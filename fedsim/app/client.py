@@ -18,6 +18,9 @@ Messages handled (names in :mod:`fedsim.protocol`):
   ``secaggplus_mod`` around it).
 * ``EVALUATE``: the channel decodes the global model; reply with its loss and accuracy on the
   common test split (used when the server cannot read the model).
+* ``CROSS_VALIDATE``: the message carries several models (each model's records suffixed ``#<k>``,
+  each decoded by the channel like a global model); reply with each one's loss on the client's
+  local validation split (``data.val_fraction``), in order (FedBoosting's cross-validation).
 """
 from __future__ import annotations
 
@@ -36,9 +39,12 @@ from flwr.clientapp import ClientApp
 from fedsim.app import load_plugins
 from fedsim.components import CLIENT_CHANNELS, FLOWER_MODS
 from fedsim.config import client_pipeline
-from fedsim.factories import client_data, dataset_for, model_for
+from fedsim.factories import client_data, client_validation_data, dataset_for, model_for
 from fedsim.protocol import (
     CONFIG,
+    CROSS_VALIDATE_ACTION,
+    CROSSVAL_LOSSES,
+    CROSSVAL_MODELS,
     ERROR,
     ERROR_REASON,
     EVAL_ACCURACY,
@@ -46,18 +52,22 @@ from fedsim.protocol import (
     EVAL_LOSS,
     EXTRAS,
     FEDSIM_CONFIG,
+    FINAL_TRAIN_LOSS,
     HOSTED_PARTITIONS,
     METRICS,
     NODE_PARTITION_ID,
     NUM_EXAMPLES,
     PARTITION_ID,
     PARTITIONS,
+    REPORT_TRAIN_LOSS,
     SERVER_ROUND,
     STATE_DEFENSES,
+    VAL_EXAMPLES,
     arrays_record,
     decode_array,
     for_partition,
     hosted_partitions,
+    split_model,
     split_partition,
 )
 from fedsim.seams import ClientChannel
@@ -215,6 +225,9 @@ def _train(msg: Message, context: Context) -> Message:
                                                                 for k, v in res.state.items()))
     metrics = {NUM_EXAMPLES: res.num_examples, PARTITION_ID: pid,
                **{k: float(v) for k, v in res.metrics.items()}}
+    if REPORT_TRAIN_LOSS in conf and conf[REPORT_TRAIN_LOSS]:  # the rule asks (FedBoosting's T)
+        set_weights(model, res.weights)
+        metrics[FINAL_TRAIN_LOSS] = evaluate(model, x, y, resolve_device(cfg.get("device", "auto")))[0]
     content = RecordDict({**channel.encode(res.weights, names, context), METRICS: MetricRecord(metrics)})
     if res.extras:
         content[EXTRAS] = arrays_record(list(res.extras), list(res.extras.values()))
@@ -233,3 +246,36 @@ def evaluate_global(msg: Message, context: Context) -> Message:
     return Message(RecordDict({METRICS: MetricRecord({EVAL_LOSS: loss, EVAL_ACCURACY: acc,
                                                       EVAL_EXAMPLES: len(ds.y_test),
                                                       PARTITION_ID: _partition_id(context)})}), reply_to=msg)
+
+
+@client_app.evaluate(CROSS_VALIDATE_ACTION)
+@serve_partitions
+def cross_validate(msg: Message, context: Context) -> Message:
+    """Each model the message carries (``CROSSVAL_MODELS`` of them, records suffixed ``#<k>``, decoded by
+    the channel) evaluated on this client's local validation split: the losses, in order."""
+    cfg = config_of(msg)
+    pid = _partition_id(context)
+    count = int(msg.content[CONFIG][CROSSVAL_MODELS])
+    x, y = client_validation_data(cfg, pid)
+    if len(y) == 0:
+        raise ValueError(f"client {pid} has no validation data (data.val_fraction = "
+                         f"{cfg['data'].get('val_fraction', 0.0)}, {len(client_data(cfg, pid)[1])} training samples)")
+    channel = channel_for(cfg)
+    model = model_to_train(msg, cfg, adapts=False)
+    template = template_of(model)
+    device = resolve_device(cfg.get("device", "auto"))
+    models: list[RecordDict] = [RecordDict() for _ in range(count)]
+    for key, rec in msg.content.items():
+        base, k = split_model(key)
+        if k is not None:
+            if not 0 <= k < count:
+                raise ValueError(f"cross-validation record {key!r} names model {k} of {count}")
+            models[k][base] = rec
+    losses = []
+    for k, content in enumerate(models):
+        if not list(content.keys()):
+            raise ValueError(f"cross-validation message carries no records for model {k}")
+        set_weights(model, channel.decode(content, context, template))
+        losses.append(float(evaluate(model, x, y, device)[0]))
+    return Message(RecordDict({METRICS: MetricRecord({CROSSVAL_LOSSES: losses, VAL_EXAMPLES: len(y),
+                                                      PARTITION_ID: pid})}), reply_to=msg)

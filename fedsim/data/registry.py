@@ -33,6 +33,9 @@ class Dataset:
     num_classes: int
     kind: str = "image"  # "image" (values in [0, 1]) or "tabular"
     class_names: tuple[str, ...] = field(default=())
+    # the source each training sample was drawn from (datasets with natural client splits, e.g.
+    # synthetic-2d); ``data.partition = "natural"`` gives each client its own source
+    sources: torch.Tensor | None = None
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -177,11 +180,47 @@ def _load_faces(data_dir: str | None, download: bool, root_size: int) -> Dataset
                    _labels(yr), 2, class_names=("non-face", "face"))
 
 
+# ---- seed 003 §4.3.1: the synthetic two-source 2-D task (FedBoosting's decision-boundary study)
+# Binary labels; each source draws each class from a Gaussian of its own (mean, standard deviation):
+# source 0 (wide) lies on the left with the classes above and below each other, source 1 (tight) on the
+# right with the classes side by side. Each client alone learns a straight boundary that is wrong for
+# the other's part of the plane; the pooled data needs a bent one (what the centralised model learns).
+SYNTHETIC_2D = {  # source -> class -> (mean x, mean y, standard deviation)
+    0: {0: (-2.0, -1.0, 1.0), 1: (-2.0, 1.5, 1.0)},
+    1: {0: (1.0, 0.0, 0.5), 1: (2.5, 0.0, 0.5)},
+}
+SYNTHETIC_2D_PER_SOURCE = 40_000  # samples per source (half per class), split 9:1 into train and test
+
+
+def _load_synthetic_2d(data_dir: str | None, download: bool, root_size: int) -> Dataset:
+    rng = np.random.default_rng(0)
+    xs, ys, ss = [], [], []
+    per_class = SYNTHETIC_2D_PER_SOURCE // 2
+    for source, classes in SYNTHETIC_2D.items():
+        for label, (mx, my, sd) in classes.items():
+            xs.append(rng.normal((mx, my), sd, size=(per_class, 2)))
+            ys.append(np.full(per_class, label))
+            ss.append(np.full(per_class, source))
+    x, y, s = np.concatenate(xs).astype(np.float32), np.concatenate(ys), np.concatenate(ss)
+    test, train = [], []
+    for source in SYNTHETIC_2D:  # 9:1 within each source; the test set holds both sources
+        idx = rng.permutation(np.flatnonzero(s == source))
+        n_test = len(idx) // 10
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    te, tr = np.concatenate(test), rng.permutation(np.concatenate(train))
+    root, tr = tr[:min(root_size, 100)], tr[min(root_size, 100):]
+    t = lambda i: torch.from_numpy(x[i])  # noqa: E731
+    return Dataset("synthetic-2d", t(tr), _labels(y[tr]), t(te), _labels(y[te]), t(root), _labels(y[root]), 2,
+                   kind="tabular", class_names=("class 0", "class 1"), sources=torch.from_numpy(s[tr]))
+
+
 @dataclass(frozen=True)
 class DatasetEntry:
     load: Callable[[str | None, bool, int], Dataset]
     description: str
     available: Callable[[str | None], tuple[bool, str]]
+    sources: int = 0  # natural sources (> 0: the dataset supports data.partition = "natural")
 
 
 def _always(_: str | None) -> tuple[bool, str]:
@@ -216,6 +255,9 @@ DATASETS: dict[str, DatasetEntry] = {
                                   "(scikit-learn)", _always),
     "faces": DatasetEntry(_load_faces, "scikit-image LFW subset: 200 25x25 grey crops, face / non-face",
                           _always),
+    "synthetic-2d": DatasetEntry(_load_synthetic_2d, "seed 003 §4.3.1: 2-D points from Gaussians, 2 classes, "
+                                 "2 sources (one per client with data.partition = natural), 36,000 train / "
+                                 "4,000 test per source", _always, sources=len(SYNTHETIC_2D)),
 }
 
 
