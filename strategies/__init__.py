@@ -4,4 +4,4 @@ Importing this package registers them in :mod:`fedsim.components` (``STRATEGIES`
 ``TRANSFORMS``). They implement the seams of :mod:`fedsim.seams`; strategies never import
 ``attacks`` (the curious server is just another observer) or ``clients``.
 """
-from strategies import compensation, fedavg, lossless, paillier  # noqa: F401  (registration)
+from strategies import compensation, fedavg, flower, lossless, paillier  # noqa: F401  (registration)
