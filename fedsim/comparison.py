@@ -134,14 +134,17 @@ def plot_comparison(groups: Sequence[tuple[str, Sequence[str | Path]]], rows: Se
                                                                     else None)
     fig, axes = plt.subplots(1, 2 if metric else 1, figsize=(10 if metric else 5.5, 3.6), squeeze=False)
     ax = axes[0][0]
-    for label, dirs in groups:
+    colors: dict[str, Any] = {}
+    for k, (label, dirs) in enumerate(groups):
+        colors[label] = f"C{k % 10}"
         rounds, mean, std = accuracy_curve(dirs)
         if not rounds:
             continue
-        line, = ax.plot(rounds, mean, marker="o", markersize=3, label=f"{label}" + (f" (n={len(dirs)})"
-                                                                                     if len(dirs) > 1 else ""))
+        ax.plot(rounds, mean, marker="o", markersize=3, color=colors[label],
+                label=f"{label}" + (f" (n={len(dirs)})" if len(dirs) > 1 else ""))
         if len(dirs) > 1:
-            ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+            ax.fill_between(rounds, mean - std, mean + std, color=colors[label], alpha=0.2)
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
     ax.set_ylim(0, 1)
@@ -158,9 +161,13 @@ def plot_comparison(groups: Sequence[tuple[str, Sequence[str | Path]]], rows: Se
             pts = [r for r in rows if _number(r.get(col)) and _number(r.get("accuracy"))]
             for r in pts:
                 ax2.errorbar(r["accuracy"], r[col], xerr=r.get("accuracy_std"), yerr=r.get(f"{col}_std"),
-                             marker=markers[j % len(markers)], linestyle="none", capsize=2)
+                             marker=markers[j % len(markers)], linestyle="none", capsize=2,
+                             color=colors.get(str(r["variant"]), "k"),
+                             label=a if r is pts[0] and len(attacks) > 1 else None)
                 ax2.annotate(str(r["variant"]), (r["accuracy"], r[col]), fontsize=6, xytext=(3, 3),
                              textcoords="offset points")
+        if len(attacks) > 1:
+            ax2.legend(fontsize=7, title="attack (marker)", title_fontsize=7)
         ax2.set_xlabel("final test accuracy (utility)")
         ax2.set_ylabel(f"{metric.upper()} of the reconstruction (leakage)")
         ax2.grid(alpha=0.3)
@@ -227,4 +234,5 @@ def table_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 def table_formats(cols: Sequence[str]) -> dict[str, str]:
     fmt = {c: ".3f" for c in cols}
     fmt.update({c: ".2f" for c in cols if c.endswith("psnr") or c in ("round_seconds", "time_ratio")})
+    fmt["failures"] = ".3g"
     return fmt

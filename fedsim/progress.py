@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import os
 import sys
+import threading
 import time
 from typing import Any, Iterator, TextIO
 
@@ -181,3 +182,27 @@ def tick(done: int, total: int | None = None, **info: Any) -> None:
     if total is not None and not t.total:
         t.total = int(total)
     t.update(done, **info)
+
+
+@contextlib.contextmanager
+def heartbeat(message: str, every: float | None = None) -> Iterator[None]:
+    """While the block runs (a blocking call with no progress of its own: Ray and actor start-up), print
+    ``message (12s)`` every ``every`` seconds (default: 2.5 x :func:`interval`, at least 1 s)."""
+    if not enabled():
+        yield
+        return
+    period = max(1.0, 2.5 * interval()) if every is None else every
+    stop = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat() -> None:
+        while not stop.wait(period):
+            print(f"{PREFIX} {message} ({duration(time.perf_counter() - t0)})", file=_stream(), flush=True)
+
+    thread = threading.Thread(target=beat, name="fedsim-progress-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -185,11 +185,16 @@ class FlowerRule(AggregationRule):
 
 
 def _keep_random(fn):
-    """Run ``fn`` leaving the global ``random`` state as it was (Flower samples nodes with it)."""
+    """Run Flower's ``configure_train`` (``fn``) leaving the global ``random`` state as it was (Flower
+    samples nodes with it) and without its log line about sampling the adapter's stand-in nodes."""
     state = random.getstate()
+    flwr_log = logging.getLogger("flwr")
+    level = flwr_log.level
+    flwr_log.setLevel(max(level, logging.WARNING))
     try:
         return fn()
     finally:
+        flwr_log.setLevel(level)
         random.setstate(state)
 
 

@@ -108,9 +108,6 @@ def _run_ray(cfg, run_dir, observers, show) -> None:
     def _main(grid, context) -> None:
         if hasattr(grid, "pull_interval"):
             grid.pull_interval = 0.01  # Flower's default 0.1 s poll adds ~0.07 s to every round
-        with progress.suppressed(not show):
-            progress.say(f"Flower's simulation engine is up ({progress.duration(time.perf_counter() - launched)} "
-                         "after launch)")
         try:
             run_server(grid, cfg, run_dir, observers, show, started_at=launched)
         except BaseException as exc:  # re-raised in the caller: run_simulation would only log it

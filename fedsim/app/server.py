@@ -154,19 +154,23 @@ class Server:
         cfg, engine = self.cfg, self.engine
         for obs in self.observers:
             obs.on_start(self.out)
-        progress.say(f"waiting for {cfg['federation']['num_clients']} clients to register "
-                     f"({progress.duration(time.perf_counter() - t_start)} since launch)")
-        engine.discover(grid)
+        n = cfg["federation"]["num_clients"]
+        progress.say(f"waiting for {n} clients to register and answer (the simulation engine starts the client "
+                     "nodes and their actors now)")
+        with progress.heartbeat(f"still starting: waiting for {n} clients"):
+            engine.discover(grid)
         state = engine.channel.initial(self.initial)
         handshake = RoundRecord(0)
-        engine.channel.handshake(RoundContext(engine, grid, 0, engine.channel, None, None, handshake))
+        with progress.heartbeat(f"channel {engine.channel.name!r}: setup exchange"):
+            engine.channel.handshake(RoundContext(engine, grid, 0, engine.channel, None, None, handshake))
         self.startup_seconds = time.perf_counter() - t_start
         progress.say(f"{len(engine.partition_node)} clients on {len(engine.node_partitions)} nodes ready; start-up "
                      f"took {progress.duration(self.startup_seconds)}")
         self.round_end(grid, state, handshake, time.perf_counter())
         for rnd in range(1, cfg["federation"]["rounds"] + 1):
             t0 = time.perf_counter()
-            state, record = engine.run_round(grid, rnd, state)
+            with progress.heartbeat(f"round {rnd}/{cfg['federation']['rounds']}: clients training"):
+                state, record = engine.run_round(grid, rnd, state)
             self.round_end(grid, state, record, t0)
         return self.finish(state, time.perf_counter() - t_start)
 
