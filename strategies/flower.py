@@ -4,21 +4,21 @@
 (``flwr.serverapp.strategy``) on the round's replies; fedsim keeps doing everything else (sampling
 from the seed, discovery, the channel, transforms, observers, evaluation, failures):
 
-==================== ======================================= ==============================================
-name                 Flower class                            parameters (from Flower's constructor)
-==================== ======================================= ==============================================
-``flwr-fedavg``      ``FedAvg``                              none
-``flwr-fedprox``     ``FedProx`` (+ the clients' proximal)   ``proximal_mu``
-``flwr-fedavgm``     ``FedAvgM``                             ``server_learning_rate``, ``server_momentum``
-``flwr-fedadam``     ``FedAdam``                             ``eta``, ``beta_1``, ``beta_2``, ``tau``
-``flwr-fedyogi``     ``FedYogi``                             ``eta``, ``beta_1``, ``beta_2``, ``tau``
-``flwr-fedadagrad``  ``FedAdagrad``                          ``eta``, ``tau``
-``flwr-fedmedian``   ``FedMedian``                           none
+====================== ===================================== ==============================================
+name                   Flower class                          parameters (from Flower's constructor)
+====================== ===================================== ==============================================
+``flwr-fedavg``        ``FedAvg``                            none
+``flwr-fedprox``       ``FedProx`` (+ the clients' proximal) ``proximal_mu``
+``flwr-fedavgm``       ``FedAvgM``                           ``server_learning_rate``, ``server_momentum``
+``flwr-fedadam``       ``FedAdam``                           ``eta``, ``beta_1``, ``beta_2``, ``tau``
+``flwr-fedyogi``       ``FedYogi``                           ``eta``, ``beta_1``, ``beta_2``, ``tau``
+``flwr-fedadagrad``    ``FedAdagrad``                        ``eta``, ``tau``
+``flwr-fedmedian``     ``FedMedian``                         none
 ``flwr-fedtrimmedavg`` ``FedTrimmedAvg``                     ``beta`` (share cut from each tail)
-``flwr-krum``        ``Krum``                                ``num_malicious_nodes``
-``flwr-multikrum``   ``MultiKrum``                           ``num_malicious_nodes``, ``num_nodes_to_select``
-``flwr-bulyan``      ``Bulyan``                              ``num_malicious_nodes``
-==================== ======================================= ==============================================
+``flwr-krum``          ``Krum``                              ``num_malicious_nodes``
+``flwr-multikrum``     ``MultiKrum``                         ``num_malicious_nodes``, ``num_nodes_to_select``
+``flwr-bulyan``        ``Bulyan``                            ``num_malicious_nodes``
+====================== ===================================== ==============================================
 
 Each adapter's parameters are read from the Flower class's own ``__init__`` signature (names,
 defaults, annotations), so fedsim's one validation mechanism (:mod:`fedsim.components`) checks them;

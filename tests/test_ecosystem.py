@@ -13,7 +13,6 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
@@ -57,14 +56,6 @@ def final_model(out: Path) -> list[np.ndarray]:
 # =============================================================================== Flower's strategies
 def flat(ws):
     return np.concatenate([np.asarray(w, np.float64).ravel() for w in ws])
-
-
-def unflat(v, like):
-    out, i = [], 0
-    for w in like:
-        out.append(v[i:i + w.size].reshape(w.shape))
-        i += w.size
-    return out
 
 
 def weighted_mean(W, n):
@@ -154,7 +145,6 @@ def test_flower_strategy_runs_two_rounds_and_aggregates_like_its_definition(tmp_
     by_round = rec.by_round()
     assert sorted(by_round) == [1, 2] and all(len(us) == clients for us in by_round.values())
     expect = Expect(name, params)
-    like = list(by_round[1][0].weights)
     for r in (1, 2):
         us = sorted(by_round[r], key=lambda u: u.client_id)
         x = flat(us[0].global_weights)
@@ -165,7 +155,6 @@ def test_flower_strategy_runs_two_rounds_and_aggregates_like_its_definition(tmp_
         assert scale > 0  # the round moved the model
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * max(1.0, np.abs(want).max()),
                                    err_msg=f"{name} round {r}")
-    assert len(unflat(got, like)) == len(like)
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["strategy.skipped"] for r in rows[1:]] == [0.0, 0.0]
     assert summary["final_accuracy"] is not None
@@ -473,7 +462,6 @@ def test_attack_command_shows_progress_while_it_runs(tmp_path):
                              str(tmp_path / "a"), "--set", "attack.params.idlg.iterations=600"],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     live, lines = 0, []
-    t0 = time.monotonic()
     for line in proc.stderr:
         lines.append(line)
         if "attack idlg: client 0, round 1  it " in line and "distance" in line and proc.poll() is None:
@@ -482,7 +470,6 @@ def test_attack_command_shows_progress_while_it_runs(tmp_path):
     assert rc == 0, "".join(lines[-20:])
     assert live >= 3, "".join(lines)  # measured: 10+ lines over the ~3 s attack
     assert any("round   1/1" in x for x in lines) and any("PSNR" in x for x in lines)
-    assert time.monotonic() - t0 < 120
 
 
 def test_quiet_and_default_progress(tmp_path, capsys):
@@ -595,8 +582,6 @@ def test_momentum_weight_decay_and_proximal_term_match_torch_sgd():
         opt.step()
     for a, b in zip(res.weights, ref.state_dict().values()):
         np.testing.assert_allclose(a, b.numpy(), atol=1e-6)
-    plain = build_model("lenet", (1, 28, 28), 10, activation="tanh")
-    plain.load_state_dict(ref.state_dict())
     assert not np.allclose(res.weights[0], local_train(build_model("lenet", (1, 28, 28), 10, activation="tanh"),
                                                         x, y, Recipe(0.05, 8, 4), seed=0, round=1,
                                                         client=0).weights[0])
