@@ -44,6 +44,7 @@ import torch
 from scipy.optimize import linear_sum_assignment
 
 from attacks.base import AttackInput
+from fedsim import progress
 from fedsim.components import ATTACKS, OBSERVERS
 from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.observers import ClientUpdate, Observer
@@ -257,7 +258,10 @@ class CuriousServer(Observer):
         inp = self.attack_input(update)
         attack = ATTACKS.build_named(name, self.params[name], f"attack.params.{name}")
         t0 = time.perf_counter()
-        result = attack.run(inp)
+        label = f"attack {name}: client {update.client_id}, round {update.round}"
+        progress.say(f"{label}: started ({len(update.param_names)} tensors, {update.num_examples} examples)")
+        with progress.task(label, total=getattr(attack, "iterations", None), unit="it"):
+            result = attack.run(inp)
         seconds = time.perf_counter() - t0
         rx, ry = result.inputs.detach().cpu().clamp(0, 1), result.labels.detach().cpu()
         tx, ty = self.ground_truth(update)
@@ -275,6 +279,8 @@ class CuriousServer(Observer):
         if update.kind == "aggregate":  # secure aggregation: one batch made of k clients' images
             row["aggregate_of"] = len(update.contributors)
             row["contributors"] = list(update.contributors)
+        progress.say(f"{label}: PSNR {row['psnr']:.2f} dB  SSIM {row['ssim']:.3f}  label acc {row['label_acc']:.2f}  "
+                     f"{row['iterations']} it  {seconds:.1f}s")
         return row
 
     # ---- outputs ------------------------------------------------------------------------------------
@@ -291,10 +297,12 @@ class CuriousServer(Observer):
         return out
 
     def write_outputs(self, final: bool = False) -> None:
+        from fedsim.export import write_csv
         from fedsim.reports import write_jsonl
 
         assert self.out is not None
         write_jsonl(self.out / "leakage.jsonl", self.rows)
+        write_csv(self.out / "leakage.csv", self.rows)
         self._write_grids()
         if final:
             self._write_plots()
@@ -352,6 +360,9 @@ class CuriousServer(Observer):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        if len({r["round"] for r in self.rows}) < 2:  # one attacked round: a line per attack would be a dot
+            self._write_single_round_plot(plt, save_figure)
+            return
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
         for name, (rounds, ssim, acc) in self.plot_series().items():
             a1.plot(rounds, ssim, marker="o", label=name)
@@ -364,6 +375,32 @@ class CuriousServer(Observer):
             a.set_ylim(-0.1, 1.05)
             a.grid(alpha=0.3)
             a.legend(fontsize=8)
+        save_figure(fig, self.out / "leakage.png")
+        plt.close(fig)
+
+    def _write_single_round_plot(self, plt: Any, save_figure: Any) -> None:
+        """One attacked round: SSIM and PSNR of every (attack, victim) as bars, with the mean per attack."""
+        rnd = self.rows[0]["round"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
+        width = min(0.8 / max(len(self.names), 1), 0.35)
+        victims = sorted({r["client"] for r in self.rows})
+        for j, name in enumerate(self.names):
+            rs = {r["client"]: r for r in self.rows if r["attack"] == name}
+            xs = [i + j * width for i in range(len(victims))]
+            for ax, key in ((a1, "ssim"), (a2, "psnr")):
+                vals = [rs[v][key] if v in rs and rs[v][key] is not None else np.nan for v in victims]
+                mean = np.nanmean(vals) if np.isfinite(vals).any() else np.nan
+                ax.bar(xs, vals, width, label=f"{name} (mean {mean:.3g})")
+        for ax, key in ((a1, "SSIM of reconstruction"), (a2, "PSNR (dB)")):
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(victims))], [f"client {v}" for v in victims],
+                          fontsize=7)
+            ax.set_ylabel(key)
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize=7)
+        a1.set_ylim(-0.1, 1.05)
+        acc = self.rows[0].get("accuracy")
+        fig.suptitle(f"leakage of round {rnd}" + (f" (global accuracy after it: {acc:.3f})" if acc is not None else ""),
+                     fontsize=9)
         save_figure(fig, self.out / "leakage.png")
         plt.close(fig)
 

@@ -44,6 +44,8 @@ from typing import Any, Sequence
 
 import torch
 
+from fedsim import progress
+
 from ._common import (
     INITS,
     Target,
@@ -237,6 +239,7 @@ class RegularisedInvertingGradients(Attack):
                     parts = {k: float(v.detach()) for k, v in terms.items()}
                 if self.threshold is not None and converged_at is None and float(dist.detach()) < self.threshold:
                     converged_at = it
+                progress.tick(it + 1, self.iterations, distance=float(dist.detach()))
                 for v, g in zip(variables, grads):
                     v.grad = g.sign() if (self.signed and not self.image_prior) else g
                 opt.step()

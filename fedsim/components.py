@@ -39,8 +39,15 @@ def declared_params(cls: type, hidden: Sequence[str] = ()) -> dict[str, inspect.
     """Keyword parameters a class accepts, following ``**kwargs`` up its bases (first declaration wins).
 
     The returned parameters carry resolved annotations (``Parameter.annotation``) where they resolve.
+    A plain function (a model or dataset builder) declares its keyword parameters the same way.
     """
     out: dict[str, inspect.Parameter] = {}
+    if not isinstance(cls, type):
+        hints = _hints(cls)
+        for p in inspect.signature(cls).parameters.values():
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in hidden:
+                out[p.name] = p.replace(annotation=hints.get(p.name, _EMPTY))
+        return out
     for klass in cls.__mro__:
         init = klass.__dict__.get("__init__")
         if init is None:
@@ -107,16 +114,77 @@ def check_value(key: str, value: Any, annotation: Any) -> None:
         raise ConfigError(f"{key} must be a finite number, got {value!r}")
 
 
-def resolve_reference(ref: str, what: str) -> Any:
-    """``"package.module:attribute"`` -> the attribute (a user's own plugin)."""
-    mod, _, attr = ref.partition(":")
+def _load_file_module(path: str, what: str) -> types.ModuleType:
+    """Import a Python file by path once per process (a stable module name derived from its absolute
+    path, so every lookup - and every process that reads the same config - gets the same classes)."""
+    import hashlib
+    import importlib.util
+    import os
+    import sys
+
+    full = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isfile(full):
+        raise ConfigError(f"{what}: plugin file {path!r} does not exist")
+    stem = "".join(c if c.isalnum() else "_" for c in os.path.splitext(os.path.basename(full))[0])
+    name = f"fedsim_plugin_{stem}_{hashlib.sha1(full.encode()).hexdigest()[:10]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, full)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{what}: cannot import plugin file {path!r}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
     try:
-        obj = importlib.import_module(mod)
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def is_reference(name: Any) -> bool:
+    """Whether a component name is an import reference (``"module:attr"`` or ``"path/file.py:attr"``)."""
+    return isinstance(name, str) and ":" in name
+
+
+def resolve_reference(ref: str, what: str) -> Any:
+    """An import reference -> the object it names (a user's own plugin).
+
+    ``"package.module:attribute"`` imports a module (it must be importable: installed, or on
+    ``PYTHONPATH``); ``"path/to/file.py:attribute"`` imports a file (a relative path is taken from
+    the working directory; :func:`absolute_reference` makes it absolute for processes elsewhere).
+    """
+    mod, _, attr = ref.rpartition(":")
+    try:
+        if not mod or not attr:
+            raise ValueError("expected 'module:attribute' or 'path/file.py:attribute'")
+        if mod.endswith(".py") or "/" in mod or "\\" in mod:
+            obj: Any = _load_file_module(mod, what)
+        else:
+            obj = importlib.import_module(mod)
         for part in attr.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError, ValueError) as exc:
+    except ConfigError:
+        raise
+    except (ImportError, AttributeError, ValueError, SyntaxError, OSError) as exc:
         raise ConfigError(f"{what}: cannot import {ref!r} ({type(exc).__name__}: {exc})") from None
     return obj
+
+
+def absolute_reference(ref: Any, base: str | None = None) -> Any:
+    """A file reference with its path made absolute (relative to ``base``, default the working
+    directory); anything else unchanged. Configs carry absolute paths so that Ray workers and the
+    ServerApp of ``flwr run``, which run in other directories, import the same file."""
+    import os
+
+    if not is_reference(ref):
+        return ref
+    mod, _, attr = ref.rpartition(":")
+    if not mod:
+        return ref
+    if not (mod.endswith(".py") or "/" in mod or "\\" in mod) or os.path.isabs(os.path.expanduser(mod)):
+        return ref
+    return f"{os.path.abspath(os.path.join(base or os.getcwd(), os.path.expanduser(mod)))}:{attr}"
 
 
 class Registry:
@@ -125,8 +193,8 @@ class Registry:
     ``hidden`` parameters are supplied by the code that builds the component, never by a config.
     """
 
-    def __init__(self, kind: str, base: type | None = None, hidden: Sequence[str] = ()):
-        self.kind, self.base, self.hidden = kind, base, tuple(hidden)
+    def __init__(self, kind: str, base: type | None = None, hidden: Sequence[str] = (), functions: bool = False):
+        self.kind, self.base, self.hidden, self.functions = kind, base, tuple(hidden), functions
         self._classes: dict[str, type] = {}
 
     # ---- registration --------------------------------------------------------------------------
@@ -178,15 +246,20 @@ class Registry:
         """The class registered as ``name`` (or imported from ``"module:attr"``); errors name ``where``."""
         if isinstance(name, str) and name in self._classes:
             return self._classes[name]
-        if isinstance(name, str) and ":" in name:
+        if is_reference(name):
             cls = resolve_reference(name, where)
-            if not isinstance(cls, type) or (self.base is not None and not issubclass(cls, self.base)):
+            if isinstance(cls, type):
+                ok = self.base is None or issubclass(cls, self.base)
+            else:
+                ok = self.functions and callable(cls)
+            if not ok:
                 base = f" a subclass of {self.base.__module__}.{self.base.__qualname__}" if self.base else " a class"
-                raise ConfigError(f"{where}: {name!r} must name{base}")
+                raise ConfigError(f"{where}: {name!r} must name{base}{' or a function' if self.functions else ''}")
             return cls
-        if not self._classes:
+        if not self._classes and not self.functions:
             raise ConfigError(f"{where}: no {self.kind} is registered (load fedsim's plugins through fedsim.app)")
-        raise ConfigError(f"{where} must be one of {self.names()}, got {name!r}")
+        raise ConfigError(f"{where} must be one of {self.names()} or an import reference "
+                          f"('module:attribute' or 'path/file.py:attribute'), got {name!r}")
 
     def params(self, cls: type) -> dict[str, inspect.Parameter]:
         return declared_params(cls, self.hidden)
@@ -217,11 +290,13 @@ class Registry:
         cls, params = self.check(entry, where, name_key)
         return self._construct(cls, entry.get(name_key), params, where, context)
 
-    def build_named(self, name: str, params: Mapping[str, Any], where: str, **context: Any) -> Any:
-        """Validate and construct ``name`` with ``params`` (a section whose keys are all parameters)."""
+    def build_named(self, name: str, params: Mapping[str, Any], where: str, *, name_where: str | None = None,
+                    **context: Any) -> Any:
+        """Validate and construct ``name`` with ``params`` (a section whose keys are all parameters).
+        ``name_where`` is the key errors about the name itself cite (default ``where``)."""
         if not isinstance(params, Mapping):
             raise ConfigError(f"{where} must be a table")
-        cls = self.lookup(name, where)
+        cls = self.lookup(name, name_where or where)
         self.check_params(cls, name, params, where)
         return self._construct(cls, name, dict(params), where, context)
 
@@ -260,3 +335,8 @@ DEFENSES = Registry("defense")  # client defenses (clients/)
 FLOWER_MODS = Registry("Flower mod")  # Flower client mods (clients/)
 ATTACKS = Registry("attack")  # gradient-leakage attacks (attacks/)
 OBSERVERS = Registry("observer", hidden=("cfg",))  # observers at the interception point (core and attacks/)
+# a user's own models and datasets (the built-in ones are fedsim.models.MODELS and fedsim.data.DATASETS):
+# a class or a function, registered by name or given as an import reference; its keyword parameters
+# come from [model] params / [data] params
+MODELS = Registry("model", hidden=("in_shape", "num_classes"), functions=True)
+DATASETS = Registry("dataset", hidden=("data_dir", "download", "root_size"), functions=True)

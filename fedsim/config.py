@@ -48,12 +48,6 @@ def _datasets() -> list[str]:
     return sorted(DATASETS)
 
 
-def _models() -> list[str]:
-    from fedsim.models import MODELS
-
-    return list(MODELS)
-
-
 NUM = (int, float)
 
 SCHEMA: dict[str, Field] = {
@@ -63,7 +57,9 @@ SCHEMA: dict[str, Field] = {
     "federation.rounds": Field(int, 5, min=1),
     "federation.num_clients": Field(int, 10, min=1),
     "federation.clients_per_round": Field(int, 0, min=0, help="0 = all clients every round"),
-    "data.dataset": Field(str, "fmnist-small", choices=_datasets),
+    "data.dataset": Field(str, "fmnist-small", help="a built-in dataset, or your own: a registered name or an "
+                          "import reference 'module:function' / 'path/file.py:function' (docs/plugins.md)"),
+    "data.params": Field(dict, {}, help="keyword parameters of your own dataset function"),
     "data.partition": Field(str, "iid", choices=("iid", "dirichlet", "pathological", "natural"),
                             help="natural: one source per client (datasets with sources, e.g. synthetic-2d)"),
     "data.alpha": Field(NUM, 0.5, min=1e-6, help="Dirichlet concentration"),
@@ -75,7 +71,9 @@ SCHEMA: dict[str, Field] = {
                                "local validation split (FedBoosting's cross-validation); 0 = none"),
     "data.data_dir": Field(str, None, nullable=True, help="folder with dataset files"),
     "data.download": Field(bool, False, help="let torchvision download (needs internet)"),
-    "model.name": Field(str, "lenet", choices=_models),
+    "model.name": Field(str, "lenet", help="a built-in model, or your own: a registered name or an import "
+                        "reference 'module:Class' / 'path/file.py:build' (docs/plugins.md)"),
+    "model.params": Field(dict, {}, help="keyword parameters of your own model"),
     "model.activation": Field(str, None, nullable=True, choices=("sigmoid", "tanh", "relu", "leakyrelu")),
     "model.norm": Field(str, None, nullable=True, choices=("none", "batch")),
     "model.init": Field(str, "default", choices=("default", "uniform")),
@@ -87,6 +85,16 @@ SCHEMA: dict[str, Field] = {
     "train.local_epochs": Field(int, None, nullable=True, min=1, help="local passes over the data"),
     "train.loss": Field(str, "cross-entropy", choices=("cross-entropy", "mse"),
                         help="local training loss (mse: on one-hot targets)"),
+    "train.momentum": Field(NUM, 0.0, min=0.0, help="local SGD momentum in [0, 1) (0: plain SGD)"),
+    "train.weight_decay": Field(NUM, 0.0, min=0.0, help="local L2 weight decay"),
+    "train.lr_schedule": Field(str, "constant", choices=("constant", "step", "exponential", "cosine"),
+                               help="the clients' learning rate over rounds"),
+    "train.lr_gamma": Field(NUM, 0.5, min=1e-12, max=1.0, help="step/exponential: factor per step/round"),
+    "train.lr_step_rounds": Field(int, 10, min=1, help="step: rounds between two decays"),
+    "train.lr_min": Field(NUM, 0.0, min=0.0, help="cosine: the rate in the last round"),
+    "evaluate.client_fraction": Field(NUM, 0.0, min=0.0, max=1.0,
+                                      help="client-side evaluation: share of the clients that evaluate the "
+                                      "global model on their own data after every round (0: off)"),
     "strategy.name": Field(str, "fedavg", help="aggregation rule (+ its parameters in [strategy])"),
     "channel.name": Field(str, "plain", help="how models travel (+ its parameters in [channel])"),
     "simulation.backend": Field(str, "ray", choices=("ray", "inprocess"),
@@ -96,6 +104,8 @@ SCHEMA: dict[str, Field] = {
                                          "node serves; >1 cuts Flower's per-message cost at scale"),
     "simulation.num_gpus": Field(NUM, 0.0, min=0.0, help="GPUs per client actor (fractions allowed)"),
     "simulation.ray_address": Field(str, None, nullable=True, help="join an existing Ray cluster"),
+    "simulation.threads": Field(int, 1, min=0, help="torch threads of the fedsim process (server, attacks, "
+                                "in-process clients); 0 = torch's default (all cores)"),
     "client.flower_mods": Field(list, [], help="Flower client mods wrapping local training, e.g. local-dp"),
     "output.dir": Field(str, "runs", help="parent folder of run folders"),
     "output.observers": Field(list, ["update-norms"], help="observers at the interception point"),
@@ -129,7 +139,8 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and key.split(".")[0] not in ("attack",):
+        table = key in SCHEMA and SCHEMA[key].type is dict  # a parameter table (model.params): one value
+        if isinstance(v, Mapping) and key.split(".")[0] not in ("attack",) and not table:
             out.update(_flatten(v, key + "."))
         else:
             out[key] = v
@@ -197,6 +208,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         _merge(cfg, read_toml(path))
     apply_overrides(cfg, overrides)
+    absolute_references(cfg)
     validate(cfg)
     return cfg
 
@@ -220,7 +232,8 @@ def _check_field(key: str, f: Field, v: Any) -> None:
 
 
 def _typename(t: type | tuple[type, ...]) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+             dict: "a table"}
     if isinstance(t, tuple):
         return "a number" if set(t) == {int, float} else " or ".join(names.get(x, x.__name__) for x in t)
     return names.get(t, t.__name__)
@@ -264,6 +277,9 @@ def validate(cfg: dict[str, Any]) -> None:
                               f"({sorted(n for n, e in DATASETS.items() if e.sources)}), got {data['dataset']!r}")
     if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
         raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
+    if not train["momentum"] < 1:
+        raise ConfigError(f"train.momentum must be in [0, 1), got {train['momentum']!r}")
+    check_model_and_data(cfg)
     for section in LIST_SECTIONS:
         if not isinstance(cfg.get(section, []), list) or not all(isinstance(d, dict) for d in cfg.get(section, [])):
             raise ConfigError(f"{section} must be a list of tables ([[{section}]] with name = ...)")
@@ -275,6 +291,72 @@ def validate(cfg: dict[str, Any]) -> None:
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"device: {exc}") from exc
     build_components(cfg)
+
+
+def check_model_and_data(cfg: Mapping[str, Any]) -> None:
+    """``model.name`` / ``data.dataset``: a built-in name, or a user's own model / dataset (a name
+    registered in :data:`fedsim.components.MODELS` / ``DATASETS`` or an import reference), whose
+    ``params`` are checked against the keyword parameters it declares - the same mechanism, and the
+    same messages, as every other component."""
+    from fedsim.components import DATASETS as DATA_PLUGINS
+    from fedsim.components import MODELS as MODEL_PLUGINS
+    from fedsim.models import BUILTIN_ONLY, MODELS
+
+    m, d = cfg["model"], cfg["data"]
+    if m["name"] in MODELS:
+        if m.get("params"):
+            raise ConfigError(f"model.params is for your own model; the built-in {m['name']!r} takes "
+                              f"{list(BUILTIN_ONLY)} in [model]")
+    else:
+        if m["name"] not in MODEL_PLUGINS:
+            raise ConfigError(f"model.name must be one of {sorted(set(MODELS) | set(MODEL_PLUGINS.names()))} or "
+                              f"an import reference ('module:attribute' or 'path/file.py:attribute'), got {m['name']!r}")
+        builder = MODEL_PLUGINS.lookup(m["name"], "model.name")
+        MODEL_PLUGINS.check_params(builder, m["name"], m.get("params") or {}, "model.params")
+        given = [k for k in BUILTIN_ONLY if m.get(k) is not None]
+        if given:
+            raise ConfigError(f"model.{given[0]} applies to the built-in models only; give your model's own "
+                              f"parameters in model.params")
+    builtin = _datasets()
+    if d["dataset"] in builtin:
+        if d.get("params"):
+            raise ConfigError(f"data.params is for your own dataset; the built-in {d['dataset']!r} takes none")
+    else:
+        if d["dataset"] not in DATA_PLUGINS:
+            raise ConfigError(f"data.dataset must be one of {sorted(set(builtin) | set(DATA_PLUGINS.names()))} or "
+                              f"an import reference ('module:attribute' or 'path/file.py:attribute'), got "
+                              f"{d['dataset']!r}")
+        loader = DATA_PLUGINS.lookup(d["dataset"], "data.dataset")
+        DATA_PLUGINS.check_params(loader, d["dataset"], d.get("params") or {}, "data.params")
+
+
+def absolute_references(cfg: dict[str, Any], base: str | None = None) -> None:
+    """Make every plugin file reference in ``cfg`` absolute (relative paths are taken from ``base``,
+    default the working directory), so that processes started elsewhere (Ray workers, ``flwr run``'s
+    ServerApp) import the same files. Called by :func:`load_config` before validation."""
+    from fedsim.components import absolute_reference as ab
+
+    for section, key in (("model", "name"), ("data", "dataset"), ("strategy", "name"), ("channel", "name")):
+        if isinstance(cfg.get(section), dict) and isinstance(cfg[section].get(key), str):
+            cfg[section][key] = ab(cfg[section][key], base)
+    client = cfg.get("client")
+    lists = [cfg.get(section) for section in LIST_SECTIONS]
+    lists.append(client.get("flower_mods") if isinstance(client, dict) else None)
+    for entries in lists:  # malformed sections are left for validate() to report
+        for e in entries if isinstance(entries, list) else []:
+            if isinstance(e, dict) and "name" in e:
+                e["name"] = ab(e["name"], base)
+    obs = cfg["output"].get("observers") if isinstance(cfg.get("output"), dict) else None
+    if isinstance(obs, list):
+        cfg["output"]["observers"] = [ab(o, base) if isinstance(o, str) else
+                                      ({**o, "name": ab(o["name"], base)} if isinstance(o, dict) and "name" in o else o)
+                                      for o in obs]
+    att = cfg.get("attack")
+    if isinstance(att, dict) and "name" in att:
+        att["name"] = [ab(n, base) for n in att["name"]] if isinstance(att["name"], list) else ab(att["name"], base)
+        params = att.get("params")
+        if isinstance(params, dict):
+            att["params"] = {ab(k, base): v for k, v in params.items()}
 
 
 # keys that moved to another section: the error says where

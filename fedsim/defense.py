@@ -105,6 +105,9 @@ class Defense:
         return type(self).compute_gradient is not Defense.compute_gradient
 
 
+DEFENSES.base = Defense  # an import reference in [[defenses]] must name a Defense
+
+
 def register(cls: type[Defense]) -> type[Defense]:
     """Class decorator: register a defense under its ``name`` (``[[defenses]] name = ...``)."""
     return DEFENSES.register(cls)

@@ -22,7 +22,8 @@ from fedsim.protocol import config_text
 def dataset_for(cfg: Mapping[str, Any]) -> Dataset:
     """The config's dataset (``data.*``); cached by ``load_dataset``."""
     d = cfg["data"]
-    return load_dataset(d["dataset"], d.get("data_dir"), bool(d.get("download", False)), int(d["root_size"]))
+    return load_dataset(d["dataset"], d.get("data_dir"), bool(d.get("download", False)), int(d["root_size"]),
+                        json.dumps(d.get("params") or {}, sort_keys=True))
 
 
 def partition_params(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -85,4 +86,5 @@ def model_for(cfg: Mapping[str, Any]) -> torch.nn.Module:
     ds = dataset_for(cfg)
     m = cfg["model"]
     return build_model(m["name"], ds.in_shape, ds.num_classes, activation=m.get("activation"), norm=m.get("norm"),
-                       init=m.get("init", "default"), width=m.get("width"), hidden=m.get("hidden"))
+                       init=m.get("init", "default"), width=m.get("width"), hidden=m.get("hidden"),
+                       params=m.get("params") or None)

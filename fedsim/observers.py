@@ -110,6 +110,9 @@ class Observer:
         return ""
 
 
+OBSERVERS.base = Observer  # an import reference in output.observers must name an Observer
+
+
 @OBSERVERS.register
 class UpdateNormObserver(Observer):
     """Writes the L2 norm of every client's update to ``updates.jsonl`` (proves the seam).

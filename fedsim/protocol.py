@@ -40,7 +40,11 @@ LR = "lr"
 BATCH_SIZE = "batch_size"
 LOCAL_STEPS = "local_steps"
 LOCAL_EPOCHS = "local_epochs"
-RECIPE_KEYS = (LR, BATCH_SIZE, LOCAL_STEPS, LOCAL_EPOCHS)
+MOMENTUM = "momentum"  # local SGD momentum (sent only when set)
+WEIGHT_DECAY = "weight_decay"  # local weight decay (sent only when set)
+PROXIMAL_MU = "proximal-mu"  # FedProx's proximal term (Flower's FedProx.configure_train sets this key)
+RECIPE_KEYS = (LR, BATCH_SIZE, LOCAL_STEPS, LOCAL_EPOCHS, MOMENTUM, WEIGHT_DECAY, PROXIMAL_MU)
+EVAL_DATA = "eval-data"  # evaluate message: "test" (the common test split, default) or "local" (the client's data)
 STAGE = "stage"  # a channel's setup stage (e.g. key agreement)
 REPORT_TRAIN_LOSS = "report-train-loss"  # train: also report the trained model's loss on the training split
 CROSSVAL_MODELS = "crossval-models"  # cross-validation: how many models the message carries (see for_model)
@@ -168,13 +172,19 @@ def decode_arrays(record: ArrayRecord, writable: bool = True) -> list[np.ndarray
 
 def train_config(cfg: Mapping[str, Any], server_round: int | None = None) -> ConfigRecord:
     """What every server -> client message carries: the recipe and the resolved config."""
+    from fedsim.training import scheduled_lr
+
     t = cfg["train"]
-    rec: dict[str, Any] = {LR: float(t["lr"]), BATCH_SIZE: int(t["batch_size"]),
+    lr = scheduled_lr(t, server_round or 1, int(cfg["federation"]["rounds"])) if server_round else float(t["lr"])
+    rec: dict[str, Any] = {LR: float(lr), BATCH_SIZE: int(t["batch_size"]),
                            FEDSIM_CONFIG: json.dumps(cfg, sort_keys=True)}
     if t.get("local_steps"):
         rec[LOCAL_STEPS] = int(t["local_steps"])
     else:
         rec[LOCAL_EPOCHS] = int(t["local_epochs"])
+    for key in (MOMENTUM, WEIGHT_DECAY):
+        if t.get(key):
+            rec[key] = float(t[key])
     if server_round is not None:
         rec[SERVER_ROUND] = int(server_round)
     return ConfigRecord(rec)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
 import numpy as np
 from flwr.app import Context, Message, RecordDict
 
-from fedsim.components import CHANNELS, CLIENT_CHANNELS, ConfigError
+from fedsim.components import CHANNELS, CLIENT_CHANNELS, STRATEGIES, TRANSFORMS, ConfigError
 from fedsim.protocol import ARRAYS, TRAIN, arrays_record, decode_arrays
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -260,6 +260,11 @@ class PlainClientChannel(ClientChannel):
 
     def encode(self, arrays: Arrays, param_names: Sequence[str], context: Context) -> dict[str, Any]:
         return {ARRAYS: arrays_record(param_names, arrays)}
+
+
+# import references in [strategy], [channel], [[transforms]] must name these base classes
+STRATEGIES.base, CHANNELS.base, TRANSFORMS.base = AggregationRule, ServerChannel, ServerTransform
+CLIENT_CHANNELS.base = ClientChannel
 
 
 # ============================================================================= compatibility

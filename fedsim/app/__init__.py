@@ -19,16 +19,41 @@ from typing import Any, Sequence
 _LOADED = False
 
 
+ENTRY_POINT_GROUP = "fedsim.plugins"
+
+
 def load_plugins() -> None:
-    """Import the built-in plugin packages (each registers its components in fedsim.components)."""
+    """Import the built-in plugin packages (each registers its components in fedsim.components), then
+    every installed package's ``fedsim.plugins`` entry points (modules that register their own models,
+    datasets, defenses, attacks, rules or observers; docs/plugins.md)."""
     global _LOADED
     if _LOADED:
         return
     import attacks  # noqa: F401
     import clients  # noqa: F401
+    import fedsim.export  # noqa: F401  (the tensorboard observer)
     import strategies  # noqa: F401
 
     _LOADED = True
+    load_entry_points()
+
+
+def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
+    """Load every entry point of ``group`` (each names a module, or an object in one, whose import
+    registers components). Returns their names; a failing one raises ConfigError naming it."""
+    from importlib.metadata import entry_points
+
+    from fedsim.components import ConfigError
+
+    loaded = []
+    for ep in entry_points(group=group):
+        try:
+            ep.load()
+        except Exception as exc:  # noqa: BLE001 - reported with the entry point's name
+            raise ConfigError(f"fedsim plugin entry point {ep.name!r} ({ep.value}) failed to load: "
+                              f"{type(exc).__name__}: {exc}") from exc
+        loaded.append(ep.name)
+    return loaded
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:

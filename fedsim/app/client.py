@@ -48,6 +48,7 @@ from fedsim.protocol import (
     ERROR,
     ERROR_REASON,
     EVAL_ACCURACY,
+    EVAL_DATA,
     EVAL_EXAMPLES,
     EVAL_LOSS,
     EXTRAS,
@@ -67,6 +68,7 @@ from fedsim.protocol import (
     decode_array,
     for_partition,
     hosted_partitions,
+    recipe_of,
     split_model,
     split_partition,
 )
@@ -216,7 +218,8 @@ def _train(msg: Message, context: Context) -> Message:
         state = {k: decode_array(v) for k, v in context.state[STATE_DEFENSES].items()}
     ds = dataset_for(cfg)
     incoming = {k: decode_array(a) for k, a in msg.content[EXTRAS].items()} if EXTRAS in msg.content else {}
-    res = local_train(model, x, y, Recipe.from_mapping(cfg["train"]), seed=cfg["seed"], round=rnd, client=pid,
+    recipe = Recipe.from_mapping({**cfg["train"], **recipe_of(conf)})  # the round's rate, the rule's keys
+    res = local_train(model, x, y, recipe, seed=cfg["seed"], round=rnd, client=pid,
                       pipeline=pipeline, state=state, device=resolve_device(cfg.get("device", "auto")),
                       public_data=(ds.x_root, ds.y_root), incoming=dict(incoming),
                       loss=cfg["train"].get("loss", "cross-entropy"))
@@ -237,14 +240,19 @@ def _train(msg: Message, context: Context) -> Message:
 @client_app.evaluate()
 @serve_partitions
 def evaluate_global(msg: Message, context: Context) -> Message:
-    """The global model's loss and accuracy on the common test split (the channel decodes it)."""
+    """The global model's loss and accuracy on the common test split (the channel decodes it), or on the
+    client's own data when the message asks for it (``EVAL_DATA = "local"``: client-side evaluation)."""
     cfg = config_of(msg)
     model = model_to_train(msg, cfg, adapts=False)
     set_weights(model, channel_for(cfg).decode(msg.content, context, template_of(model)))
-    ds = dataset_for(cfg)
-    loss, acc = evaluate(model, ds.x_test, ds.y_test, resolve_device(cfg.get("device", "auto")))
+    if str(msg.content[CONFIG].get(EVAL_DATA, "test")) == "local":
+        x, y = client_data(cfg, _partition_id(context))
+    else:
+        ds = dataset_for(cfg)
+        x, y = ds.x_test, ds.y_test
+    loss, acc = evaluate(model, x, y, resolve_device(cfg.get("device", "auto")))
     return Message(RecordDict({METRICS: MetricRecord({EVAL_LOSS: loss, EVAL_ACCURACY: acc,
-                                                      EVAL_EXAMPLES: len(ds.y_test),
+                                                      EVAL_EXAMPLES: len(y),
                                                       PARTITION_ID: _partition_id(context)})}), reply_to=msg)
 
 

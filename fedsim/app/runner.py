@@ -10,15 +10,18 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from fedsim import progress
 from fedsim.app import build_components
 from fedsim.config import dump_toml
 from fedsim.factories import dataset_for, model_for
 from fedsim.observers import Observer
 from fedsim.protocol import num_nodes
 from fedsim.reports import atomic_write_text, new_run_dir
+from fedsim.training import torch_threads
 
 log = logging.getLogger("fedsim")
 
@@ -34,11 +37,13 @@ def build_observers(cfg: dict[str, Any]) -> list[Observer]:
 
 
 def quiet_logs() -> None:
+    """Flower's and Ray's own logs off (at ERROR), unless ``--verbose`` (``fedsim.progress.VERBOSE``)."""
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    logging.getLogger("flwr").setLevel(logging.ERROR)  # Flower logs every round at INFO and deprecations
-    logging.getLogger("ray").setLevel(logging.ERROR)
+    level = logging.INFO if progress.verbose() else logging.ERROR
+    logging.getLogger("flwr").setLevel(level)  # Flower logs every round at INFO and deprecations
+    logging.getLogger("ray").setLevel(level)
 
 
 def _backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +53,9 @@ def _backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
     gpus = float(sim["num_gpus"])
     if gpus == 0 and cfg["device"] != "cpu" and torch.cuda.is_available():
         gpus = 0.25  # device=auto with a GPU present: share it between client actors
-    init: dict[str, Any] = {"logging_level": "ERROR", "log_to_driver": False, "include_dashboard": False}
+    loud = progress.verbose()
+    init: dict[str, Any] = {"logging_level": "INFO" if loud else "ERROR", "log_to_driver": loud,
+                            "include_dashboard": False}
     if sim.get("ray_address"):
         init["address"] = sim["ray_address"]
     return {"client_resources": {"num_cpus": int(sim["num_cpus"]), "num_gpus": gpus}, "init_args": init}
@@ -56,7 +63,9 @@ def _backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers: Sequence[Observer] | None = None,
                    progress: bool = True) -> Path:
-    """Run a validated config; returns the run folder (written only once the inputs are checked)."""
+    """Run a validated config; returns the run folder (written only once the inputs are checked).
+    ``progress=False`` silences this run's progress lines (``fedsim.progress``)."""
+    show = progress
     dataset_for(cfg)  # raises DatasetUnavailable (with instructions) before any folder is made
     model_for(cfg)  # architecture/data mismatches surface here too
     observers = build_observers(cfg) if observers is None else list(observers)
@@ -65,10 +74,11 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
     atomic_write_text(run_dir / "config.toml", dump_toml(cfg))
     quiet_logs()
     try:
-        if cfg["simulation"]["backend"] == "inprocess":
-            _run_inprocess(cfg, run_dir, observers, progress)
-        else:
-            _run_ray(cfg, run_dir, observers, progress)
+        with torch_threads(int(cfg["simulation"].get("threads", 1))):
+            if cfg["simulation"]["backend"] == "inprocess":
+                _run_inprocess(cfg, run_dir, observers, show)
+            else:
+                _run_ray(cfg, run_dir, observers, show)
     except BaseException:
         if not (run_dir / "summary.json").exists() and out is None:
             shutil.rmtree(run_dir, ignore_errors=True)  # nothing half-way
@@ -76,15 +86,15 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
     return run_dir
 
 
-def _run_inprocess(cfg, run_dir, observers, progress) -> None:
+def _run_inprocess(cfg, run_dir, observers, show) -> None:
     from fedsim.app.client import client_app
     from fedsim.app.server import run_server
     from fedsim.inprocess import InProcessGrid
 
-    run_server(InProcessGrid(client_app, node_count(cfg)), cfg, run_dir, observers, progress)
+    run_server(InProcessGrid(client_app, node_count(cfg)), cfg, run_dir, observers, show)
 
 
-def _run_ray(cfg, run_dir, observers, progress) -> None:
+def _run_ray(cfg, run_dir, observers, show) -> None:
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
@@ -99,7 +109,7 @@ def _run_ray(cfg, run_dir, observers, progress) -> None:
         if hasattr(grid, "pull_interval"):
             grid.pull_interval = 0.01  # Flower's default 0.1 s poll adds ~0.07 s to every round
         try:
-            run_server(grid, cfg, run_dir, observers, progress)
+            run_server(grid, cfg, run_dir, observers, show, started_at=launched)
         except BaseException as exc:  # re-raised in the caller: run_simulation would only log it
             errors.append(exc)
             raise
@@ -108,6 +118,12 @@ def _run_ray(cfg, run_dir, observers, progress) -> None:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the actors use the cores; a spinning 2-thread evaluation here stalls them
+    launched = time.perf_counter()
+    with progress.suppressed(not show):
+        where = f"joining the Ray cluster at {cfg['simulation']['ray_address']}" if cfg["simulation"].get(
+            "ray_address") else "starting Ray"
+        progress.say(f"{where} for {node_count(cfg)} client nodes ({cfg['simulation']['num_cpus']} CPU each); "
+                     "Ray and its actors take a few seconds to start")
     try:
         run_simulation(server_app=server_app, client_app=client_app,
                        num_supernodes=node_count(cfg), backend_config=_backend_config(cfg))

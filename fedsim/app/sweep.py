@@ -3,8 +3,17 @@
 A sweep file is an ordinary config plus ``[[variants]]``; each variant has a ``label`` and any config
 keys, merged over the base (tables merge key by key; lists such as ``defenses`` replace). Every
 variant is validated before anything runs, then each runs into ``<out>/<nn>-<label>/`` and the sweep
-writes ``sweep.jsonl`` (one row per variant) and ``report.md`` with one table: final accuracy, loss,
-leakage metrics of every configured attack, and mean round time relative to the first variant.
+writes ``sweep.jsonl`` / ``sweep.csv`` (one row per variant), ``report.md`` with one table (final
+accuracy, loss, leakage metrics of every configured attack, mean round time relative to the first
+variant) and ``comparison.png`` (accuracy against the round for every variant; final accuracy
+against leakage when the runs were attacked).
+
+``seeds = [0, 1, 2]`` (top level, or ``fedsim sweep --seeds 0,1,2``) repeats every variant once per
+seed (``seed`` replaced; folders ``<nn>-<label>-seed<s>``): the table then shows ``mean ± std``
+(sample standard deviation) of every column, ``sweep.jsonl`` has the means and ``<column>_std``, and
+``runs.jsonl`` / ``runs.csv`` one row per run.
+
+    seeds = [0, 1]
 
     [[variants]]
     label = "no defense"
@@ -17,14 +26,33 @@ from __future__ import annotations
 
 import copy
 import re
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
+from fedsim import progress as prog
 from fedsim.app import validate
-from fedsim.config import ConfigError, _merge, apply_overrides, defaults, read_toml
-from fedsim.reports import atomic_write_text, md_table, new_run_dir, read_jsonl, write_jsonl
+from fedsim.comparison import (
+    comparison_table,
+    mean_std_rows,
+    plot_comparison,
+    run_row,
+    table_columns,
+    table_formats,
+)
+from fedsim.config import ConfigError, _merge, absolute_references, apply_overrides, defaults, read_toml
+from fedsim.export import write_csv
+from fedsim.reports import atomic_write_text, new_run_dir, write_jsonl
+
+variant_row = run_row  # one run folder as a table row (fedsim.comparison.run_row)
+
+
+def check_seeds(seeds: Any, where: str = "seeds") -> list[int]:
+    ok = isinstance(seeds, list) and seeds and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                   for x in seeds) and len(set(seeds)) == len(seeds)
+    if not ok:
+        raise ConfigError(f"{where} must be a non-empty list of distinct integers >= 0, got {seeds!r}")
+    return list(seeds)
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = (),
@@ -33,8 +61,16 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (),
 
     ``only`` keeps just the variants with these labels; the overrides are applied to those alone (so
     ``--set defenses.0.sigma=...`` works with ``--only`` a variant that has a defense)."""
+    base, out, _ = load_sweep_seeds(path, overrides, only)
+    return base, out
+
+
+def load_sweep_seeds(path: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = ()
+                     ) -> tuple[dict[str, Any], list[tuple[str, dict]], list[int] | None]:
+    """:func:`load_sweep` plus the file's ``seeds`` (None when it has none)."""
     p = Path(path)
     data = read_toml(p, "sweep file")
+    seeds = check_seeds(data.pop("seeds")) if "seeds" in data else None
     variants = data.pop("variants", None)
     if not isinstance(variants, list) or not variants or not all(isinstance(v, dict) for v in variants):
         raise ConfigError(f"{p}: a sweep needs [[variants]] tables (each with a label)")
@@ -62,6 +98,7 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (),
         cfg["name"] = f"{base.get('name', 'sweep')}-{_slug(label)}"
         try:
             apply_overrides(cfg, overrides)
+            absolute_references(cfg)
             validate(cfg)
         except ConfigError as exc:
             raise ConfigError(f"variants[{i}] ({label}): {exc}") from exc
@@ -73,71 +110,91 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (),
             apply_overrides(base, [o])
         except ConfigError:
             pass
-    return base, out
+    return base, out, seeds
 
 
 def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-").lower() or "variant"
 
 
-def variant_row(label: str, run_dir: Path) -> dict[str, Any]:
-    import json
-
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    train_rounds = [r for r in rows if r["round"] >= 2] or [r for r in rows if r["round"] >= 1]
-    secs = [r["seconds"] for r in train_rounds]
-    row: dict[str, Any] = {"variant": label, "accuracy": summary.get("final_accuracy"),
-                           "loss": summary.get("final_loss"),
-                           "round_seconds": float(np.median(secs)) if secs else None,
-                           "failures": summary.get("client_failures", 0), "run": run_dir.name}
-    eps = [v for k, v in (rows[-1] if rows else {}).items() if k.endswith(".epsilon") and v is not None]
-    if eps:  # DP accounting reported by the clients' defenses (example-weighted mean over the clients)
-        row["epsilon"] = max(eps)
-    # leakage entries of observers (the curious server's "leakage", seed 002's curious client's
-    # "client_leakage"); an entry's "columns" names the keys to show (default: the curious server's)
-    for leak in [*summary.get("leakage", []), *summary.get("client_leakage", [])]:
-        a = leak["attack"]
-        for k in leak.get("columns", ("psnr", "ssim", "label_acc", "success_content")):
-            row[f"{a}.{k}"] = leak.get(k)
-    return row
-
-
 def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None,
-              progress: bool = True, only: Sequence[str] = ()) -> Path:
+              progress: bool = True, only: Sequence[str] = (), seeds: Sequence[int] | None = None) -> Path:
+    """Run every variant (once per seed when the file or ``seeds`` gives seeds); see the module docstring."""
     from fedsim.app.runner import run_experiment
 
-    base, variants = load_sweep(path, overrides, only)
+    base, variants, file_seeds = load_sweep_seeds(path, overrides, only)
+    seeds = check_seeds(list(seeds), "--seeds") if seeds is not None else file_seeds
     out_dir = Path(out) if out else new_run_dir(base["output"]["dir"], base.get("name", "sweep"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for i, (label, cfg) in enumerate(variants):
-        if progress:
-            print(f"[fedsim] sweep {i + 1}/{len(variants)}: {label}", flush=True)
-        run_dir = run_experiment(cfg, out=out_dir / f"{i:02d}-{_slug(label)}", progress=progress)
-        rows.append(variant_row(label, run_dir))
-        base_t = rows[0]["round_seconds"]
-        for r in rows:
-            r["time_ratio"] = r["round_seconds"] / base_t if base_t and r["round_seconds"] else None
-        write_jsonl(out_dir / "sweep.jsonl", rows)
-        write_sweep_report(out_dir, base, rows)
+    jobs = [(i, label, cfg, s) for i, (label, cfg) in enumerate(variants) for s in (seeds or [None])]
+    runs: dict[int, list[dict[str, Any]]] = {}
+    run_dirs: dict[int, list[Path]] = {}
+    t0 = time.perf_counter()
+    with prog.suppressed(not progress):
+        for done, (i, label, cfg, seed) in enumerate(jobs):
+            folder = f"{i:02d}-{_slug(label)}"
+            if seed is not None:
+                cfg = copy.deepcopy(cfg)
+                cfg["seed"] = seed
+                cfg["name"] = f"{cfg['name']}-seed{seed}"
+                folder += f"-seed{seed}"
+            elapsed = time.perf_counter() - t0
+            left = f", ETA {prog.duration(prog.eta(done, len(jobs), elapsed))}" if done else ""
+            prog.say(f"sweep {done + 1}/{len(jobs)}: {label}" + (f" (seed {seed})" if seed is not None else "")
+                     + f"  [{done} done in {prog.duration(elapsed)}{left}]")
+            run_dir = run_experiment(cfg, out=out_dir / folder, progress=progress)
+            row = run_row(label, run_dir)
+            if seed is not None:
+                row["seed"] = seed
+            runs.setdefault(i, []).append(row)
+            run_dirs.setdefault(i, []).append(run_dir)
+            write_sweep_outputs(out_dir, base, variants, runs, run_dirs, seeds)
+        prog.say(f"sweep done: {len(jobs)} runs in {prog.duration(time.perf_counter() - t0)}; "
+                 f"report {out_dir / 'report.md'}")
     return out_dir
 
 
-def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    leak_cols = sorted({k for r in rows for k in r if "." in k}, key=lambda k: (k.split(".")[0], k))
-    eps = ["epsilon"] if any("epsilon" in r for r in rows) else []
-    cols = ["variant", "accuracy", "loss", *eps, *leak_cols, "round_seconds", "time_ratio", "failures"]
-    fmt = {c: ".3f" for c in cols}
-    fmt.update({c: ".2f" for c in cols if c.endswith("psnr") or c in ("round_seconds", "time_ratio")})
+def write_sweep_outputs(out_dir: Path, base: dict[str, Any], variants: Sequence[tuple[str, dict]],
+                        runs: dict[int, list[dict[str, Any]]], run_dirs: dict[int, list[Path]],
+                        seeds: Sequence[int] | None) -> None:
+    """sweep.jsonl/.csv (one row per variant), runs.jsonl/.csv (with seeds), report.md, comparison.png."""
+    order = sorted(runs)
+    if seeds:
+        rows = [mean_std_rows(variants[i][0], runs[i], [r["seed"] for r in runs[i]]) for i in order]
+        every = [r for i in order for r in runs[i]]
+        write_jsonl(out_dir / "runs.jsonl", every)
+        write_csv(out_dir / "runs.csv", every)
+    else:
+        rows = [dict(runs[i][0]) for i in order]
+    base_t = rows[0]["round_seconds"]
+    for r in rows:
+        r["time_ratio"] = r["round_seconds"] / base_t if base_t and r["round_seconds"] else None
+    write_jsonl(out_dir / "sweep.jsonl", rows)
+    write_csv(out_dir / "sweep.csv", rows)
+    groups = [(variants[i][0], run_dirs[i]) for i in order]
+    plot_comparison(groups, rows, out_dir / "comparison.png", title=str(base.get("name", "sweep")))
+    write_sweep_report(out_dir, base, rows, seeds)
+
+
+def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str, Any]],
+                       seeds: Sequence[int] | None = None) -> None:
+    cols = table_columns(rows)
     fed, train = base["federation"], base["train"]
+    repeat = (f" Every variant ran once per seed {list(seeds)}: cells are mean ± sample standard deviation "
+              "over the seeds (`sweep.jsonl`: the means and `<column>_std`; `runs.jsonl`: every run).") if seeds else ""
+    links = []
+    for r in rows:
+        runs = r.get("runs") or [r.get("run")]
+        links.append(f"{r['variant']}: " + ", ".join(f"[{x}]({x}/report.md)" for x in runs if x))
     text = [f"# fedsim sweep: {base.get('name', 'sweep')}\n",
             f"{len(rows)} variants; {fed['rounds']} rounds, {fed['num_clients']} clients, data "
             f"{base['data']['dataset']}, model {base['model']['name']}, lr {train['lr']}, batch "
             f"{train['batch_size']}. Accuracy/loss: global model on the test set after the last round. "
             "Leakage columns: mean over the attacked updates (`<attack>.psnr` in dB, `.ssim`, `.label_acc`, "
             "`.success_content` = share of images with SSIM >= the threshold). `round_seconds`: median wall time "
-            "of rounds >= 2 (training, aggregation, evaluation; attacks are timed apart); `time_ratio`: relative to the first variant.\n",
-            md_table(rows, cols, fmt),
-            "\nEach variant's own report: " + ", ".join(f"[{r['variant']}]({r['run']}/report.md)" for r in rows) + "\n"]
+            "of rounds >= 2 (training, aggregation, evaluation; attacks are timed apart); `time_ratio`: relative to "
+            f"the first variant.{repeat}\n",
+            comparison_table(rows, cols, table_formats(cols)),
+            "\n![comparison](comparison.png)\n",
+            "\nEach run's own report: " + "; ".join(links) + "\n"]
     atomic_write_text(out_dir / "report.md", "\n".join(text))

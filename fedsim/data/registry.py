@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -266,12 +266,88 @@ def dataset_status(data_dir: str | None = None) -> list[tuple[str, bool, str, st
     return [(n, *e.available(data_dir)[:1], e.description, e.available(data_dir)[1]) for n, e in DATASETS.items()]
 
 
+def _tensor(a: Any, what: str, dtype: torch.dtype) -> torch.Tensor:
+    t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
+    if dtype is torch.int64:
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"{what} must hold integer class labels, got dtype {t.dtype}")
+        return t.to(torch.int64)
+    return t.to(torch.float32)
+
+
+def dataset_from(obj: Any, name: str, root_size: int) -> Dataset:
+    """A user dataset's return value as a :class:`Dataset`.
+
+    Either a ``Dataset``, or a mapping with ``x_train``, ``y_train``, ``x_test``, ``y_test`` (arrays or
+    tensors; images as float (N, C, H, W) in [0, 1], tabular as float (N, F); labels integers
+    0..C-1) and optionally ``x_root``/``y_root`` (the public root split; default: ``data.root_size``
+    examples held out from the training data with a fixed seed), ``num_classes`` (default: largest
+    label + 1), ``kind`` (``"image"`` when x has 3 dimensions per example, else ``"tabular"``) and
+    ``class_names``.
+    """
+    if isinstance(obj, Dataset):
+        return obj
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"data.dataset {name!r} returned {type(obj).__name__}; return a fedsim.data.Dataset or "
+                         "a mapping with x_train, y_train, x_test, y_test")
+    missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in obj]
+    if missing:
+        raise ValueError(f"data.dataset {name!r} returned a mapping without {missing}")
+    x_tr, y_tr = _tensor(obj["x_train"], "x_train", torch.float32), _tensor(obj["y_train"], "y_train", torch.int64)
+    x_te, y_te = _tensor(obj["x_test"], "x_test", torch.float32), _tensor(obj["y_test"], "y_test", torch.int64)
+    if len(x_tr) != len(y_tr) or len(x_te) != len(y_te):
+        raise ValueError(f"data.dataset {name!r}: x and y differ in length (train {len(x_tr)} vs {len(y_tr)}, "
+                         f"test {len(x_te)} vs {len(y_te)})")
+    if x_tr.shape[1:] != x_te.shape[1:]:
+        raise ValueError(f"data.dataset {name!r}: train and test inputs differ in shape "
+                         f"({tuple(x_tr.shape[1:])} vs {tuple(x_te.shape[1:])})")
+    if "x_root" in obj and "y_root" in obj:
+        x_r, y_r = _tensor(obj["x_root"], "x_root", torch.float32), _tensor(obj["y_root"], "y_root", torch.int64)
+    else:
+        if root_size >= len(y_tr):
+            raise ValueError(f"data.root_size={root_size} must be smaller than {name!r}'s training set ({len(y_tr)})")
+        perm = torch.as_tensor(np.random.default_rng(0).permutation(len(y_tr)))
+        x_r, y_r = x_tr[perm[:root_size]], y_tr[perm[:root_size]]
+        x_tr, y_tr = x_tr[perm[root_size:]], y_tr[perm[root_size:]]
+    labels = torch.cat([y_tr, y_te])
+    if len(labels) and int(labels.min()) < 0:
+        raise ValueError(f"data.dataset {name!r}: labels must be >= 0")
+    num_classes = int(obj.get("num_classes") or (int(labels.max()) + 1 if len(labels) else 0))
+    if len(labels) and int(labels.max()) >= num_classes:
+        raise ValueError(f"data.dataset {name!r}: a label is >= num_classes ({num_classes})")
+    kind = str(obj.get("kind") or ("image" if x_tr.ndim == 4 else "tabular"))
+    return Dataset(name, x_tr, y_tr, x_te, y_te, x_r, y_r, num_classes, kind=kind,
+                   class_names=tuple(obj.get("class_names") or ()))
+
+
 @lru_cache(maxsize=8)
 def load_dataset(name: str, data_dir: str | None = None, download: bool = False,
-                 root_size: int = 100) -> Dataset:
-    """Load a registered dataset (cached per process: every client actor loads it once)."""
-    if name not in DATASETS:
-        raise ValueError(f"data.dataset must be one of {sorted(DATASETS)}, got {name!r}")
+                 root_size: int = 100, params: str = "{}") -> Dataset:
+    """Load a dataset (cached per process: every client actor loads it once).
+
+    A built-in name (:data:`DATASETS`), or a user's dataset: registered in
+    :data:`fedsim.components.DATASETS` or an import reference (``"mypkg.data:load"``,
+    ``"path/to/file.py:load"``) to a function (or class) that takes ``data_dir``, ``download``,
+    ``root_size`` when it declares them and ``[data] params`` (``params``: their JSON text), and returns
+    what :func:`dataset_from` accepts."""
     if data_dir is not None:
         data_dir = os.path.expanduser(str(data_dir))
+    if name not in DATASETS:
+        import json
+
+        from fedsim.components import DATASETS as PLUGINS
+        from fedsim.components import is_reference
+
+        if name not in PLUGINS and not is_reference(name):
+            raise ValueError(f"data.dataset must be one of {sorted(set(DATASETS) | set(PLUGINS.names()))} or an "
+                             f"import reference ('module:attribute' or 'path/file.py:attribute'), got {name!r}")
+        obj = PLUGINS.build_named(name, json.loads(params), "data.params", name_where="data.dataset",
+                                  data_dir=data_dir, download=download, root_size=root_size)
+        return dataset_from(obj, name, root_size)
+    if json_params_given(params):
+        raise ValueError(f"data.params is for a user's own dataset; the built-in {name!r} takes none")
     return DATASETS[name].load(data_dir, download, root_size)
+
+
+def json_params_given(params: str) -> bool:
+    return params.strip() not in ("", "{}", "null")
