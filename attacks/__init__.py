@@ -16,7 +16,7 @@ from typing import Any
 
 from fedsim.components import declared_params
 
-from . import cpl, curious, dlg, inverting  # noqa: F401  (registration)
+from . import cpl, curious, dlg, fedkl, inverting, knowledge  # noqa: F401  (registration)
 from .base import ATTACKS, Attack, AttackInput, AttackResult, register
 
 

@@ -34,6 +34,7 @@ from fedsim.protocol import (
     EVAL_ACCURACY,
     EVAL_LOSS,
     EVALUATE,
+    EXTRAS,
     METRICS,
     NUM_EXAMPLES,
     PARTITION_ID,
@@ -272,9 +273,12 @@ class RoundEngine:
         recipe = recipe_of(config)
         for r in replies:
             view = self.channel.client_view(r)
+            extras = (lambda m=r.message: {k: a.numpy() for k, a in m.content[EXTRAS].items()}) \
+                if EXTRAS in r.message.content else None
             upd = ClientUpdate(round=server_round, client_id=r.partition, node_id=r.node_id,
                                global_weights=sent if sent is not None else (), num_examples=r.num_examples,
-                               recipe=recipe, metrics=r.metrics, param_names=self.param_names, **view)
+                               recipe=recipe, metrics=r.metrics, param_names=self.param_names, extras=extras,
+                               **view)
             for obs in self.observers:
                 obs.observe(upd)
 

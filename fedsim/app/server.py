@@ -77,6 +77,9 @@ class Server:
             raise RuntimeError(f"round {rnd}: all {len(record.failures)} sampled clients failed; the first error "
                                f"(client {first.get('client')}): {first.get('reason', '?')}")
         t_obs = time.perf_counter()
+        arrays = self.engine.channel.plaintext(state) if self.observers else None
+        for obs in self.observers:  # observers that evaluate the global model add columns to the row
+            row.update(obs.on_global_model(rnd, arrays))
         for obs in self.observers:  # e.g. the curious server's attacks: timed apart from the round
             obs.on_round_end(rnd, row)
         row["observer_seconds"] = time.perf_counter() - t_obs
