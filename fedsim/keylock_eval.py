@@ -160,8 +160,9 @@ class RandomKeyEvaluation(Observer):
             "## FedKL: accuracy by key (thesis Table 5.3)\n",
             f"Round {f['round']}. Clients: their own key and trained lock on the common test split (as the defense's "
             "`evaluate` option says, after or before local training). Random key: the global model with a key no "
-            "client holds and the initial lock. Global model as is: the base architecture with the locked blocks' "
-            "affine parameters at their initial values. Gap: accuracy - random-key accuracy."
+            "client holds and the initial lock. Global model as is: the base architecture the server holds (no "
+            "key-lock; a replaced BatchNorm keeps its initial affine parameters 1 and 0, a normalisation the lock "
+            "inserted is absent). Gap: accuracy - random-key accuracy."
             + (f" Lock parameters: {100 * frac:.2f}% of the locked model's parameters." if frac is not None else "")
             + "\n",
             md_table(rows, ["key", "accuracy", "gap"], {"accuracy": ".4f", "gap": ".4f"})])

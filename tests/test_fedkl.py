@@ -317,6 +317,27 @@ def test_own_key_accuracy_is_close_to_fedavg_and_a_random_key_is_not(small_cfg, 
     summary = json.loads((tmp_path / "fedkl" / "summary.json").read_text())
     assert summary["fedkl"]["own_key_accuracy"]["2"] == pytest.approx(reported)
     assert "## FedKL: accuracy by key" in (tmp_path / "fedkl" / "report.md").read_text()
+    # a sweep's row shows the FedKL accuracies next to the global model's
+    from fedsim.app.sweep import variant_row
+
+    row = variant_row("fedkl", tmp_path / "fedkl")
+    assert row["defense.0.fedkl.own_key_accuracy"] == last["defense.0.fedkl.own_key_accuracy"]
+    assert row["fedkl.random_key_accuracy"] == rnd and row["accuracy"] == last["accuracy"]
+
+
+def test_the_fedkl_sweep_file_is_valid():
+    """experiments/fedkl.toml: every variant validates (defense, attacker knowledge, leak ablation)."""
+    from pathlib import Path
+
+    from fedsim.app.sweep import load_sweep
+
+    _, variants = load_sweep(Path(__file__).resolve().parents[1] / "experiments" / "fedkl.toml")
+    cfgs = dict(variants)
+    assert len(cfgs) == 13
+    lock = cfgs["leak: FedKL, LeNet, key and lock shared"]
+    assert lock["defenses"][0]["leak_lock"] is True and lock["attack"]["knowledge"] == [
+        {"name": "fedkl", "key": True, "lock": True}]
+    assert cfgs["acc: FedKL, BN LeNet"]["attack"]["enabled"] is False
 
 
 # --------------------------------------------------------------------------------------------- Ray

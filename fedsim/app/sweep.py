@@ -94,6 +94,9 @@ def variant_row(label: str, run_dir: Path) -> dict[str, Any]:
     eps = [v for k, v in (rows[-1] if rows else {}).items() if k.endswith(".epsilon") and v is not None]
     if eps:  # DP accounting reported by the clients' defenses (example-weighted mean over the clients)
         row["epsilon"] = max(eps)
+    for k, v in (rows[-1] if rows else {}).items():  # other accuracies defenses and observers report (FedKL)
+        if "." in k and k.endswith("_accuracy") and isinstance(v, (int, float)):
+            row[k] = v
     for leak in summary.get("leakage", []):
         a = leak["attack"]
         for k in ("psnr", "ssim", "label_acc", "success_content"):
@@ -123,17 +126,21 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
 
 
 def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-    leak_cols = sorted({k for r in rows for k in r if "." in k}, key=lambda k: (k.split(".")[0], k))
+    dotted = {k for r in rows for k in r if "." in k}
+    acc_cols = sorted(k for k in dotted if k.endswith("_accuracy"))
+    leak_cols = sorted(dotted - set(acc_cols), key=lambda k: (k.split(".")[0], k))
     eps = ["epsilon"] if any("epsilon" in r for r in rows) else []
-    cols = ["variant", "accuracy", "loss", *eps, *leak_cols, "round_seconds", "time_ratio", "failures"]
+    cols = ["variant", "accuracy", *acc_cols, "loss", *eps, *leak_cols, "round_seconds", "time_ratio", "failures"]
     fmt = {c: ".3f" for c in cols}
     fmt.update({c: ".2f" for c in cols if c.endswith("psnr") or c in ("round_seconds", "time_ratio")})
     fed, train = base["federation"], base["train"]
     text = [f"# fedsim sweep: {base.get('name', 'sweep')}\n",
             f"{len(rows)} variants; {fed['rounds']} rounds, {fed['num_clients']} clients, data "
             f"{base['data']['dataset']}, model {base['model']['name']}, lr {train['lr']}, batch "
-            f"{train['batch_size']}. Accuracy/loss: global model on the test set after the last round. "
-            "Leakage columns: mean over the attacked updates (`<attack>.psnr` in dB, `.ssim`, `.label_acc`, "
+            f"{train['batch_size']}. Accuracy/loss: global model on the test set after the last round"
+            + ("; other `*_accuracy` columns: what defenses and observers report in the last round (e.g. "
+               "FedKL's own-key and random-key accuracies). " if any("_accuracy" in k for k in dotted) else ". ")
+            + "Leakage columns: mean over the attacked updates (`<attack>.psnr` in dB, `.ssim`, `.label_acc`, "
             "`.success_content` = share of images with SSIM >= the threshold). `round_seconds`: median wall time "
             "of rounds >= 2 (training, aggregation, evaluation; attacks are timed apart); `time_ratio`: relative to the first variant.\n",
             md_table(rows, cols, fmt),
