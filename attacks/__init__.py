@@ -19,7 +19,17 @@ from typing import Any
 
 from fedsim.components import declared_params
 
-from . import cpl, curious, curious_client_observer, dlg, inverting, regularised, robbing  # noqa: F401
+from . import (  # noqa: F401  (registration)
+    cpl,
+    curious,
+    curious_client_observer,
+    dlg,
+    fedkl,
+    inverting,
+    knowledge,
+    regularised,
+    robbing,
+)
 from .base import ATTACKS, Attack, AttackInput, AttackResult, register
 
 

@@ -30,6 +30,8 @@ Config (``[attack]``)::
     max_truth = 64               # most samples considered as truth for multi-step updates
     compensate = false           # seed 000 §V-C abuse: apply global update compensation to the single
     compensate_Q = 6.0           #   victim's update (noise variance from its reply, or compensate_noise_variance)
+    [[attack.knowledge]]         # threat-model ablations: grant the attacker a defense's secret
+    name = "fedkl"               #   (attacks/knowledge.py; e.g. attacks/fedkl.py: key = true, lock = true)
     [attack.params.dlg]          # per-attack hyper-parameters
     iterations = 300
 """
@@ -45,7 +47,7 @@ from scipy.optimize import linear_sum_assignment
 
 from attacks.base import AttackInput
 from fedsim import progress
-from fedsim.components import ATTACKS, OBSERVERS
+from fedsim.components import ATTACKS, KNOWLEDGE, OBSERVERS
 from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.protocol import NOISE_VARIANCE
@@ -73,7 +75,7 @@ class CuriousServer(Observer):
                  psnr_threshold: float | None = None, ssim_threshold: float = 0.5, max_truth: int = 64,
                  max_images: int = 8, compensate: bool = False, compensate_Q: float = 6.0,
                  compensate_noise_variance: float | None = None, params: Mapping[str, Any] | None = None,
-                 enabled: bool = True):
+                 knowledge: list[Any] | None = None, enabled: bool = True):
         self.cfg = cfg
         self.names = [name] if isinstance(name, str) else list(name)
         if not self.names or not all(isinstance(n, str) for n in self.names):
@@ -114,6 +116,7 @@ class CuriousServer(Observer):
         self.max_truth, self.max_images = int(max_truth), int(max_images)
         self.compensate, self.compensate_Q = bool(compensate), float(compensate_Q)
         self.compensate_var = compensate_noise_variance
+        self.knowledge = KNOWLEDGE.build_list(knowledge or [], "attack.knowledge", cfg=cfg)
         self.rows: list[dict[str, Any]] = []
         self.out: Path | None = None
         self._pending: dict[int, list[ClientUpdate]] = {}
@@ -219,10 +222,13 @@ class CuriousServer(Observer):
             delta = self.compensated(update, delta)
         upd = {n: torch.as_tensor(d) for n, d in zip(names, delta)}
         recipe = self.aggregate_recipe(update) if update.kind == "aggregate" else dict(update.recipe)
-        return AttackInput(model_fn=lambda: model_for(self.cfg), global_state=glob, update=upd,
-                           recipe=recipe, input_shape=ds.in_shape, num_classes=ds.num_classes,
-                           num_examples=update.num_examples, device=self.device,
-                           seed=self.seed * 1000003 + update.round * 1009 + update.client_id)
+        inp = AttackInput(model_fn=lambda: model_for(self.cfg), global_state=glob, update=upd,
+                          recipe=recipe, input_shape=ds.in_shape, num_classes=ds.num_classes,
+                          num_examples=update.num_examples, device=self.device,
+                          seed=self.seed * 1000003 + update.round * 1009 + update.client_id)
+        for k in self.knowledge:  # threat-model ablations: what the attacker is granted beyond the update
+            inp = k.grant(inp, update)
+        return inp
 
     def compensated(self, update: ClientUpdate, delta: list[np.ndarray]) -> list[np.ndarray]:
         """Random-matrix compensation of one client's update (the abuse seed 000 §V-C discusses)."""
@@ -279,6 +285,8 @@ class CuriousServer(Observer):
         if update.kind == "aggregate":  # secure aggregation: one batch made of k clients' images
             row["aggregate_of"] = len(update.contributors)
             row["contributors"] = list(update.contributors)
+        if self.knowledge:
+            row["knowledge"] = ", ".join(k.label() for k in self.knowledge)
         progress.say(f"{label}: PSNR {row['psnr']:.2f} dB  SSIM {row['ssim']:.3f}  label acc {row['label_acc']:.2f}  "
                      f"{row['iterations']} it  {seconds:.1f}s")
         return row
@@ -415,7 +423,9 @@ class CuriousServer(Observer):
                 f", victims {self.victims}. Reconstructions are matched to the victim's samples by optimal "
                 f"assignment; content success (ASR_c) = share of images with SSIM >= {self.ssim_threshold}"
                 f"{f' and PSNR >= {self.psnr_threshold} dB' if self.psnr_threshold is not None else ''}; "
-                f"label success (ASR_l) = share of labels recovered.\n",
+                f"label success (ASR_l) = share of labels recovered."
+                + (f" Attacker knowledge beyond the update (threat-model ablation): "
+                   f"{', '.join(k.label() for k in self.knowledge)}." if self.knowledge else "") + "\n",
                 *([f"Secure aggregation: {self.aggregate_note()}.\n"] if self.aggregate_note() else []),
                 "### Per attack (mean over attacked updates)\n",
                 md_table(self.summary_rows(), ["attack", "attacks_run", "psnr", "ssim", "mse", "label_acc",

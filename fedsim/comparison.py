@@ -42,6 +42,9 @@ def run_row(label: str, run_dir: str | Path) -> dict[str, Any]:
     if last.get("client_accuracy") is not None:  # client-side evaluation
         row["client_accuracy"] = last["client_accuracy"]
         row["client_accuracy_min"] = last.get("client_accuracy_min")
+    for k, v in last.items():  # other accuracies defenses and observers report (e.g. FedKL's random key)
+        if "." in k and k.endswith("_accuracy") and _number(v):
+            row[k] = v
     eps = [v for k, v in last.items() if k.endswith(".epsilon") and v is not None]
     if eps:  # DP accounting reported by the clients' defenses (example-weighted mean over the clients)
         row["epsilon"] = max(eps)
@@ -85,8 +88,13 @@ def mean_std_rows(label: str, rows: Sequence[Mapping[str, Any]], seeds: Sequence
 
 def leak_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """The leakage columns (``<attack>.<metric>``) of rows, grouped by attack."""
-    return sorted({k for r in rows for k in r if "." in k and not k.endswith("_std")},
+    return sorted({k for r in rows for k in r if "." in k and not k.endswith(("_std", "_accuracy"))},
                   key=lambda k: (k.split(".")[0], k))
+
+
+def accuracy_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Other accuracies (``<who>.<what>_accuracy``) reported by defenses and observers."""
+    return sorted({k for r in rows for k in r if "." in k and k.endswith("_accuracy")})
 
 
 def comparison_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
@@ -225,7 +233,7 @@ def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparis
 
 def table_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     extra = [c for c in ("client_accuracy", "epsilon") if any(c in r for r in rows)]
-    cols = ["variant", "accuracy", "loss", *extra, *leak_columns(rows), "round_seconds"]
+    cols = ["variant", "accuracy", *accuracy_columns(rows), "loss", *extra, *leak_columns(rows), "round_seconds"]
     if any("time_ratio" in r for r in rows):
         cols.append("time_ratio")
     return cols + ["failures"]

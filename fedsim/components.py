@@ -331,7 +331,7 @@ STRATEGIES = Registry("strategy")  # aggregation rules (strategies/)
 CHANNELS = Registry("channel")  # server halves of channels (strategies/)
 CLIENT_CHANNELS = Registry("client channel", hidden=("cfg",))  # client halves of channels (clients/)
 TRANSFORMS = Registry("server transform")  # server transforms (strategies/)
-DEFENSES = Registry("defense")  # client defenses (clients/)
+DEFENSES = Registry("defense", hidden=("cfg",))  # client defenses (clients/); given the run config if they declare cfg
 FLOWER_MODS = Registry("Flower mod")  # Flower client mods (clients/)
 ATTACKS = Registry("attack")  # gradient-leakage attacks (attacks/)
 OBSERVERS = Registry("observer", hidden=("cfg",))  # observers at the interception point (core and attacks/)
@@ -340,3 +340,4 @@ OBSERVERS = Registry("observer", hidden=("cfg",))  # observers at the intercepti
 # come from [model] params / [data] params
 MODELS = Registry("model", hidden=("in_shape", "num_classes"), functions=True)
 DATASETS = Registry("dataset", hidden=("data_dir", "download", "root_size"), functions=True)
+KNOWLEDGE = Registry("attacker knowledge", hidden=("cfg",))  # threat-model ablations of the curious server (attacks/)

@@ -377,8 +377,8 @@ def client_pipeline(cfg: Mapping[str, Any], transforms: Sequence[Any] | None = N
         transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
     required = [e for t in transforms for e in t.client_defenses()]
     try:
-        return DefensePipeline(DEFENSES.build_list(required, "defenses required by the transforms")
-                               + DEFENSES.build_list(cfg.get("defenses", []), "defenses"))
+        return DefensePipeline(DEFENSES.build_list(required, "defenses required by the transforms", cfg=cfg)
+                               + DEFENSES.build_list(cfg.get("defenses", []), "defenses", cfg=cfg))
     except ConfigError:
         raise
     except ValueError as exc:

@@ -34,15 +34,17 @@ class ClientUpdate:
     plaintext: ``weights``), ``"ciphertext"`` (only an encrypted ``payload``; ``weights`` is empty) or
     ``"aggregate"`` (secure aggregation: ``weights`` is the aggregate of ``contributors``).
     Arrays are read-only and decoded on first access (observers that do not look cost nothing).
+    ``extras`` are the extra arrays the client's defenses sent with the reply (record ``EXTRAS``), by name.
     """
 
     __slots__ = ("round", "client_id", "node_id", "num_examples", "recipe", "metrics", "param_names", "kind",
-                 "payload", "contributors", "_global", "_weights")
+                 "payload", "contributors", "_global", "_weights", "_extras")
 
     def __init__(self, *, round: int, client_id: int, node_id: int, global_weights: Any = (),
                  weights: Any = (), num_examples: int, recipe: Mapping[str, Any],
                  metrics: Mapping[str, Any] | None = None, param_names: Sequence[str] = (),
-                 kind: str = "individual", payload: Any = None, contributors: Sequence[int] = ()):
+                 kind: str = "individual", payload: Any = None, contributors: Sequence[int] = (),
+                 extras: Any = None):
         set_ = object.__setattr__
         set_(self, "round", int(round))
         set_(self, "client_id", int(client_id))
@@ -56,6 +58,7 @@ class ClientUpdate:
         set_(self, "contributors", tuple(contributors))
         set_(self, "_global", global_weights)
         set_(self, "_weights", weights)
+        set_(self, "_extras", extras)
 
     def __setattr__(self, key: str, value: Any) -> None:
         raise AttributeError(f"ClientUpdate is read-only (cannot set {key!r})")
@@ -76,6 +79,17 @@ class ClientUpdate:
     def weights(self) -> tuple[np.ndarray, ...]:
         """What the client returned, before aggregation (empty for ``kind = "ciphertext"``)."""
         return self._resolve("_weights")
+
+    @property
+    def extras(self) -> Mapping[str, np.ndarray]:
+        """The reply's extra arrays by name (read-only; empty when the client sent none)."""
+        v = object.__getattribute__(self, "_extras")
+        if not isinstance(v, MappingProxyType):
+            v = v() if callable(v) else (v or {})
+            names = list(v)
+            v = MappingProxyType(dict(zip(names, _frozen([v[n] for n in names]))))
+            object.__setattr__(self, "_extras", v)
+        return v
 
     @classmethod
     def create(cls, **kw: Any) -> "ClientUpdate":
@@ -99,6 +113,12 @@ class Observer:
 
     def observe(self, update: ClientUpdate) -> None:  # every reply, every round, before aggregation
         pass
+
+    def on_global_model(self, round: int, arrays: Sequence[np.ndarray] | None) -> Mapping[str, Any]:
+        """The global model at the end of a round (round 0: the initial model), or None when the server
+        cannot read it (encrypted channels). Called after central evaluation, before ``on_round_end``;
+        the items returned are added to the round's metrics row (prefix them with the observer's name)."""
+        return {}
 
     def on_round_end(self, round: int, metrics: Mapping[str, Any]) -> None:  # after central evaluation
         pass

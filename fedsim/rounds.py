@@ -36,6 +36,7 @@ from fedsim.protocol import (
     EVAL_ACCURACY,
     EVAL_LOSS,
     EVALUATE,
+    EXTRAS,
     HOSTED_PARTITIONS,
     METRICS,
     NUM_EXAMPLES,
@@ -335,9 +336,12 @@ class RoundEngine:
         recipe = recipe_of(config)
         for r in replies:
             view = self.channel.client_view(r)
+            extras = (lambda r=r: dict(zip(r.record(EXTRAS).keys(), decode_arrays(r.record(EXTRAS), False)))) \
+                if r.has(EXTRAS) else None
             upd = ClientUpdate(round=server_round, client_id=r.partition, node_id=r.node_id,
                                global_weights=sent if sent is not None else (), num_examples=r.num_examples,
-                               recipe=recipe, metrics=r.metrics, param_names=self.param_names, **view)
+                               recipe=recipe, metrics=r.metrics, param_names=self.param_names, extras=extras,
+                               **view)
             for obs in self.observers:
                 obs.observe(upd)
 

@@ -121,6 +121,9 @@ class Server:
             log.warning("%s; continuing with the global model unchanged", what.splitlines()[0])
         self.say_round(row, record)  # before the observers: attacks report their own progress
         t_obs = time.perf_counter()
+        arrays = self.engine.channel.plaintext(state) if self.observers else None
+        for obs in self.observers:  # observers that evaluate the global model add columns to the row
+            row.update(obs.on_global_model(rnd, arrays))
         for obs in self.observers:  # e.g. the curious server's attacks: timed apart from the round
             obs.on_round_end(rnd, row)
         row["observer_seconds"] = time.perf_counter() - t_obs

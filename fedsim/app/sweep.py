@@ -189,8 +189,10 @@ def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str,
     text = [f"# fedsim sweep: {base.get('name', 'sweep')}\n",
             f"{len(rows)} variants; {fed['rounds']} rounds, {fed['num_clients']} clients, data "
             f"{base['data']['dataset']}, model {base['model']['name']}, lr {train['lr']}, batch "
-            f"{train['batch_size']}. Accuracy/loss: global model on the test set after the last round. "
-            "Leakage columns: mean over the attacked updates (`<attack>.psnr` in dB, `.ssim`, `.label_acc`, "
+            f"{train['batch_size']}. Accuracy/loss: global model on the test set after the last round"
+            + ("; other `*_accuracy` columns: what defenses and observers report in the last round (e.g. "
+               "FedKL's own-key and random-key accuracies). " if any("." in k and k.endswith("_accuracy") for k in cols) else ". ")
+            + "Leakage columns: mean over the attacked updates (`<attack>.psnr` in dB, `.ssim`, `.label_acc`, "
             "`.success_content` = share of images with SSIM >= the threshold). `round_seconds`: median wall time "
             "of rounds >= 2 (training, aggregation, evaluation; attacks are timed apart); `time_ratio`: relative to "
             f"the first variant.{repeat}\n",

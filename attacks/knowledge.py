@@ -1,0 +1,44 @@
+"""Attacker knowledge: threat-model ablations of the curious server (``[[attack.knowledge]]``).
+
+The curious server's normal threat model is what the channel shows it (the global model it sent, the
+intercepted update, the recipe, the example count). A *knowledge* entry grants it more - a defense's
+secret, an extra reply array a defense sends only in an ablation - to measure which secret matters. Each
+entry is a :class:`Knowledge` registered in :data:`fedsim.components.KNOWLEDGE` and built from the config
+with the run config (``cfg``) as a hidden parameter::
+
+    [[attack.knowledge]]
+    name = "fedkl"      # attacks/fedkl.py: FedKL's key and/or lock
+    key = true
+
+:meth:`Knowledge.grant` rewrites the :class:`attacks.base.AttackInput` the server built from the
+intercepted update (the architecture, the global state, the update) before the attacks run; the
+leakage rows then carry a ``knowledge`` column naming what was granted.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+from fedsim.components import KNOWLEDGE
+from fedsim.observers import ClientUpdate
+
+from .base import AttackInput
+
+
+class Knowledge:
+    """Base class. Subclasses set ``name``, take parameters as keyword arguments (plus ``cfg``)."""
+
+    name: ClassVar[str] = ""
+
+    def grant(self, inp: AttackInput, update: ClientUpdate) -> AttackInput:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def label(self) -> str:
+        """How the leakage rows name this knowledge."""
+        return self.name
+
+
+KNOWLEDGE.base = Knowledge
+
+
+def register(cls: type[Knowledge]) -> type[Knowledge]:
+    return KNOWLEDGE.register(cls)
