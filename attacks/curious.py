@@ -82,6 +82,9 @@ class CuriousServer(Observer):
             raise ValueError(f"attack.name must be an attack name or a list of names, got {name!r}")
         for n in self.names:
             ATTACKS.lookup(n, "attack.name")
+        if "robbing" in self.names and not cfg["model"].get("imprint_bins"):
+            raise ValueError("attack.name 'robbing' is the malicious-server attack: it needs the imprinted model "
+                             "(model.imprint_bins) and the server transform [[transforms]] name = 'robbing-imprint'")
         params = {} if params is None else params
         if not isinstance(params, Mapping):
             raise ValueError("attack.params must be a table of per-attack tables ([attack.params.dlg])")
@@ -281,7 +284,8 @@ class CuriousServer(Observer):
                "psnr": score["psnr"], "ssim": score["ssim"], "mse": score["mse"], "label_acc": score["label_acc"],
                "success_content": score["success_content"], "success_label": score["success_label"],
                "iterations": result.trace.get("iterations"), "converged_at": result.trace.get("converged_at"),
-               "seconds": seconds, "final_loss": (result.trace.get("loss") or [None])[-1]}
+               "seconds": seconds, "final_loss": (result.trace.get("loss") or [None])[-1],
+               "threat_model": result.trace.get("threat_model", "curious")}
         if update.kind == "aggregate":  # secure aggregation: one batch made of k clients' images
             row["aggregate_of"] = len(update.contributors)
             row["contributors"] = list(update.contributors)
@@ -427,6 +431,10 @@ class CuriousServer(Observer):
                 + (f" Attacker knowledge beyond the update (threat-model ablation): "
                    f"{', '.join(k.label() for k in self.knowledge)}." if self.knowledge else "") + "\n",
                 *([f"Secure aggregation: {self.aggregate_note()}.\n"] if self.aggregate_note() else []),
+                *(["**Threat model: a malicious server** for " + ", ".join(sorted({r["attack"] for r in self.rows
+                   if r.get("threat_model") == "malicious"})) + ": it changed the model it sent (an imprint "
+                   "block, Robbing the Fed) - not the honest-but-curious server of the other attacks.\n"]
+                  if any(r.get("threat_model") == "malicious" for r in self.rows) else []),
                 "### Per attack (mean over attacked updates)\n",
                 md_table(self.summary_rows(), ["attack", "attacks_run", "psnr", "ssim", "mse", "label_acc",
                                                "success_content", "success_label", "iterations", "seconds"],

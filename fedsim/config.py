@@ -79,6 +79,9 @@ SCHEMA: dict[str, Field] = {
     "model.init": Field(str, "default", choices=("default", "uniform")),
     "model.width": Field(int, None, nullable=True, min=1),
     "model.hidden": Field(list, None, nullable=True),
+    "model.imprint_bins": Field(int, 0, min=0, help="MALICIOUS-server scenario (Robbing the Fed): an imprint "
+                                "block of this many bins in front of the model (0 = none); see [[transforms]] "
+                                "robbing-imprint"),
     "train.lr": Field(NUM, 0.1, min=1e-12),
     "train.batch_size": Field(int, 32, min=1),
     "train.local_steps": Field(int, None, nullable=True, min=1, help="SGD steps per round (FedSGD: 1)"),

@@ -85,6 +85,11 @@ def model_for(cfg: Mapping[str, Any]) -> torch.nn.Module:
     """A fresh model of the config's architecture (weights from the current torch RNG state)."""
     ds = dataset_for(cfg)
     m = cfg["model"]
-    return build_model(m["name"], ds.in_shape, ds.num_classes, activation=m.get("activation"), norm=m.get("norm"),
-                       init=m.get("init", "default"), width=m.get("width"), hidden=m.get("hidden"),
-                       params=m.get("params") or None)
+    model = build_model(m["name"], ds.in_shape, ds.num_classes, activation=m.get("activation"), norm=m.get("norm"),
+                        init=m.get("init", "default"), width=m.get("width"), hidden=m.get("hidden"),
+                        params=m.get("params") or None)
+    if m.get("imprint_bins"):  # a malicious server's architecture (Robbing the Fed): the client builds it too
+        from fedsim.models.imprint import build_imprinted
+
+        model = build_imprinted(model, ds.in_shape, int(m["imprint_bins"]))
+    return model
