@@ -16,7 +16,9 @@ leakage rows then carry a ``knowledge`` column naming what was granted.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar, Mapping
+
+import torch
 
 from fedsim.components import KNOWLEDGE
 from fedsim.observers import ClientUpdate
@@ -42,3 +44,28 @@ KNOWLEDGE.base = Knowledge
 
 def register(cls: type[Knowledge]) -> type[Knowledge]:
     return KNOWLEDGE.register(cls)
+
+
+@register
+class BNStatistics(Knowledge):
+    """The threat model "BN statistics of the victim's batch known" (GradInversion, Yin et al. 2021): the
+    BatchNorm-input statistics of the victim's first local batch under the global model, re-created from
+    the victim's data the way the scorer re-creates ground truth (no message carries them). Used by
+    ``ig-bn`` / ``ig-fr`` with ``bn_target = "victim"``."""
+
+    name = "bn-statistics"
+
+    def __init__(self, *, cfg: Mapping[str, Any]):
+        self.cfg = cfg
+
+    def grant(self, inp: AttackInput, update: ClientUpdate) -> AttackInput:
+        from fedsim.factories import client_data
+        from fedsim.training import Recipe, batch_schedule
+
+        from .bn_prior import batch_bn_stats
+
+        x, y = client_data(self.cfg, update.client_id)
+        first = batch_schedule(self.cfg["seed"], update.round, update.client_id, len(y),
+                               Recipe.from_mapping(update.recipe))[0]
+        inp.bn_stats = batch_bn_stats(inp.global_model(), x[torch.as_tensor(first)].to(inp.device))
+        return inp

@@ -215,3 +215,28 @@ def test_max_images_limits_the_reconstruction_grid_and_the_report_shows_the_numb
         report = (out / "report.md").read_text()
         assert f"| 1 | 0 | idlg | 4 | {row['psnr']:.2f} | {row['ssim']:.3f} |" in report
     assert widths[4] > 2.5 * widths[1]  # four pairs of columns against one
+
+
+def test_bn_statistics_knowledge_grants_the_victims_batch_statistics(tmp_path):
+    """[[attack.knowledge]] name = "bn-statistics": the attack input carries the BatchNorm-input
+    statistics of the victim's first batch under the global model (recomputed here), and the rows say so."""
+    from attacks.bn_prior import batch_bn_stats
+    from fedsim.factories import client_data
+    from fedsim.training import Recipe, batch_schedule
+
+    cfg = demo_cfg(tmp_path, "federation.rounds=1", 'model.norm="batch"', "train.batch_size=4")
+    cfg["attack"] = {"name": "ig-bn", "rounds": [1], "victims": [0], "knowledge": [{"name": "bn-statistics"}],
+                     "params": {"ig-bn": {"iterations": 5, "bn_target": "victim"}}}
+    rec = RecordingObserver()
+    out = run_experiment(cfg, out=tmp_path / "r", observers=[rec, CuriousServer.from_config(cfg)], progress=False)
+    upd = next(u for u in rec.updates if u.client_id == 0)
+    inp = CuriousServer.from_config(cfg).attack_input(upd)
+    x, y = client_data(cfg, 0)
+    first = batch_schedule(cfg["seed"], 1, 0, len(y), Recipe.from_mapping(upd.recipe))[0]
+    want = batch_bn_stats(inp.global_model(), x[torch.as_tensor(first)])
+    assert set(inp.bn_stats) == set(want) and len(want) == 3
+    for k, (m, v) in want.items():
+        torch.testing.assert_close(inp.bn_stats[k][0], m)
+        torch.testing.assert_close(inp.bn_stats[k][1], v)
+    (row,) = read_jsonl(out / "leakage.jsonl")
+    assert row["knowledge"] == "bn-statistics"
