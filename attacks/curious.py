@@ -43,7 +43,7 @@ from fedsim.components import ATTACKS, OBSERVERS
 from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.protocol import NOISE_VARIANCE
-from fedsim.training import Recipe, batch_schedule, derive_seed, resolve_device
+from fedsim.training import Recipe, derive_seed, iter_batches, resolve_device
 
 
 def select_truth(recon: torch.Tensor, truth_x: torch.Tensor, truth_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +88,14 @@ class CuriousServer(Observer):
             raise ValueError(f"attack.rounds must be \"all\" or a list of round numbers >= 1, got {rounds!r}")
         if every < 0:
             raise ValueError(f"attack.every must be an integer >= 0, got {every!r}")
+        n_rounds = cfg["federation"]["rounds"]
+        if isinstance(rounds, list) and any(r > n_rounds for r in rounds):
+            raise ValueError(f"attack.rounds {sorted(r for r in rounds if r > n_rounds)} are after the last round "
+                             f"(federation.rounds = {n_rounds}): nothing would be attacked there")
         n_clients = cfg["federation"]["num_clients"]
+        if isinstance(victims, int) and not isinstance(victims, bool) and victims > n_clients:
+            raise ValueError(f"attack.victims = {victims} asks for more victims than the federation has clients "
+                             f"(federation.num_clients = {n_clients})")
         ok = victims == "sampled" or (isinstance(victims, int) and not isinstance(victims, bool) and victims >= 1) \
             or (isinstance(victims, list) and all(isinstance(v, int) and 0 <= v < n_clients for v in victims))
         if not ok:
@@ -112,6 +119,7 @@ class CuriousServer(Observer):
         self.out: Path | None = None
         self._pending: dict[int, list[ClientUpdate]] = {}
         self.unreadable = 0  # replies the server could not read (encrypted channels)
+        self.warnings: list[str] = []  # victims asked for but not attacked (not sampled, or failed)
         self._images: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -146,6 +154,16 @@ class CuriousServer(Observer):
 
     def on_round_end(self, round: int, metrics: Mapping[str, Any]) -> None:
         pending = self._pending.pop(round, [])
+        if self.attacks_round(round) and round >= 1:
+            got = sorted({u.client_id for u in pending})
+            if isinstance(self.victims, list):
+                missed = [v for v in self.victims if v not in got]
+                if missed:
+                    self.warnings.append(f"round {round}: victims {missed} sent no readable update (not sampled, "
+                                         "or failed); not attacked")
+            elif isinstance(self.victims, int) and not isinstance(self.victims, bool) and len(got) < self.victims:
+                self.warnings.append(f"round {round}: {self.victims} victims asked for, {len(got)} readable "
+                                     "updates; attacked those")
         if pending:
             by_client = {u.client_id: u for u in pending}
             for cid in self._chosen_victims(round, list(by_client)):
@@ -163,7 +181,22 @@ class CuriousServer(Observer):
         out: dict[str, Any] = {"leakage": self.summary_rows()}
         if self.unreadable:
             out["leakage_note"] = self.unreadable_note()
+        if self.warnings:
+            out["leakage_warnings"] = list(self.warnings)
         return out
+
+    # ---- checkpoints (resuming a run) -------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"rows": [dict(r) for r in self.rows], "unreadable": self.unreadable, "warnings": list(self.warnings),
+                "images": {k: [tx, rx] for k, (tx, rx) in self._images.items()}}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.rows = [dict(r) for r in state.get("rows", [])]
+        self.unreadable = int(state.get("unreadable", 0))
+        self.warnings = list(state.get("warnings", []))
+        self._images = {k: (torch.as_tensor(tx), torch.as_tensor(rx)) for k, (tx, rx) in state.get("images", {}).items()}
+        if self.out is not None and self.rows:
+            self.write_outputs()
 
     def unreadable_note(self) -> str:
         return (f"attacked nothing on {self.unreadable} intercepted replies: the channel gave the server "
@@ -195,14 +228,15 @@ class CuriousServer(Observer):
     def ground_truth(self, update: ClientUpdate) -> tuple[torch.Tensor, torch.Tensor]:
         """The samples the victim trained on this round, re-created from (seed, round, client)."""
         x, y = client_data(self.cfg, update.client_id)
-        sched = batch_schedule(self.cfg["seed"], update.round, update.client_id, len(y),
-                               Recipe.from_mapping(update.recipe))
-        seen: list[int] = []
-        for b in sched:
+        want = min(self.max_truth, len(y))
+        seen: dict[int, None] = {}  # first-seen order; stop once enough samples are known (any local_steps)
+        for b in iter_batches(self.cfg["seed"], update.round, update.client_id, len(y),
+                              Recipe.from_mapping(update.recipe)):
             for i in b.tolist():
-                if i not in seen:
-                    seen.append(i)
-        idx = torch.as_tensor(seen[: self.max_truth])
+                seen.setdefault(i)
+            if len(seen) >= want:
+                break
+        idx = torch.as_tensor(list(seen)[: self.max_truth])
         return x[idx], y[idx]
 
     def attack_one(self, update: ClientUpdate, name: str) -> dict[str, Any]:
@@ -314,8 +348,9 @@ class CuriousServer(Observer):
         from fedsim.reports import md_table
 
         if not self.rows:
-            return f"## Gradient leakage (curious server)\n\nThe curious server {self.unreadable_note()}.\n" \
-                if self.unreadable else ""
+            head = [f"The curious server {self.unreadable_note()}.\n"] if self.unreadable else []
+            head += [f"- {w}" for w in self.warnings]
+            return "\n".join(["## Gradient leakage (curious server)\n", *head, ""]) if head else ""
         text = ["## Gradient leakage (curious server)\n",
                 f"Attacks {', '.join(self.names)} on rounds {self.rounds if not self.every else f'every {self.every}'}"
                 f", victims {self.victims}. Reconstructions are matched to the victim's samples by optimal "
@@ -334,4 +369,6 @@ class CuriousServer(Observer):
                 "![leakage](leakage.png)\n"]
         text += [f"![{n}](reconstruction_{n}.png)\n" for n in self.names
                  if any(k.startswith(n + "-") for k in self._images)]
+        if self.warnings:
+            text += ["### Warnings\n", *(f"- {w}" for w in self.warnings), ""]
         return "\n".join(text)

@@ -43,6 +43,8 @@ LOCAL_EPOCHS = "local_epochs"
 RECIPE_KEYS = (LR, BATCH_SIZE, LOCAL_STEPS, LOCAL_EPOCHS)
 STAGE = "stage"  # a channel's setup stage (e.g. key agreement)
 PARTITIONS = "partitions"  # the virtual clients (partition ids) a message to a node addresses
+STATE_MIRROR = "fedsim.state-mirror"  # folder a client mirrors its Context.state to (runs that checkpoint)
+RESUMED_AT = "fedsim.resumed-at"  # in a resumed run: the checkpointed round the run continues after
 
 # ---- MetricRecord keys (client -> server)
 PARTITION_ID = "partition-id"
@@ -83,6 +85,7 @@ NODE_NUM_PARTITIONS = "num-partitions"
 # ---- client state (Flower's per-node Context.state; never sent)
 STATE_DEFENSES = "fedsim.defense-state"
 STATE_CHANNEL = "fedsim.channel-state"
+STATE_MIRROR_MARK = "fedsim.mirror-mark"  # the client's state was mirrored/restored in this session
 
 # ---- message types
 TRAIN = MessageType.TRAIN  # local training; reply: the client's model (through the channel)

@@ -87,7 +87,8 @@ def variant_row(label: str, run_dir: Path) -> dict[str, Any]:
     rows = read_jsonl(run_dir / "metrics.jsonl")
     train_rounds = [r for r in rows if r["round"] >= 2] or [r for r in rows if r["round"] >= 1]
     secs = [r["seconds"] for r in train_rounds]
-    row: dict[str, Any] = {"variant": label, "accuracy": summary.get("final_accuracy"),
+    row: dict[str, Any] = {"variant": label, "status": summary.get("status", "completed"),
+                           "accuracy": summary.get("final_accuracy"),
                            "loss": summary.get("final_loss"),
                            "round_seconds": float(np.median(secs)) if secs else None,
                            "failures": summary.get("client_failures", 0), "run": run_dir.name}
@@ -101,31 +102,90 @@ def variant_row(label: str, run_dir: Path) -> dict[str, Any]:
     return row
 
 
+class SweepFailed(RuntimeError):
+    """Some variants failed (the others ran; the sweep's report lists every variant's status)."""
+
+
 def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None,
-              progress: bool = True, only: Sequence[str] = ()) -> Path:
+              progress: bool = True, only: Sequence[str] = (), overwrite: bool = False) -> Path:
+    """Run every variant into ``<out>/<nn>-<label>/``. Everything is checked first (configs, data,
+    partitions, the variant folders): a bad value anywhere stops the sweep before anything runs. Re-run
+    into the same ``out``, completed variants are skipped and interrupted ones resume from their
+    checkpoints; ``overwrite`` clears the folder first. A variant that fails is recorded (``status``
+    in its row) and the sweep goes on; :class:`SweepFailed` is raised at the end."""
     from fedsim.app.runner import run_experiment
+    from fedsim.config import check_data
+    from fedsim.interrupt import RunInterrupted
+    from fedsim.runfolder import RunFolderError, decide, open_sweep_folder
 
     base, variants = load_sweep(path, overrides, only)
-    out_dir = Path(out) if out else new_run_dir(base["output"]["dir"], base.get("name", "sweep"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
     for i, (label, cfg) in enumerate(variants):
-        if progress:
-            print(f"[fedsim] sweep {i + 1}/{len(variants)}: {label}", flush=True)
-        run_dir = run_experiment(cfg, out=out_dir / f"{i:02d}-{_slug(label)}", progress=progress)
-        rows.append(variant_row(label, run_dir))
-        base_t = rows[0]["round_seconds"]
-        for r in rows:
-            r["time_ratio"] = r["round_seconds"] / base_t if base_t and r["round_seconds"] else None
-        write_jsonl(out_dir / "sweep.jsonl", rows)
-        write_sweep_report(out_dir, base, rows)
+        try:
+            check_data(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"variants[{i}] ({label}): {exc}") from None
+    made_here = False
+    if out:
+        out_dir = Path(out)
+    else:
+        try:
+            out_dir = new_run_dir(base["output"]["dir"], base.get("name", "sweep"))
+        except OSError as exc:
+            raise RunFolderError(f"cannot create a sweep folder in output.dir = {base['output']['dir']!r}: "
+                                 f"{exc.strerror or exc}") from None
+        made_here = True
+    try:
+        folder = open_sweep_folder(out_dir, overwrite=overwrite)
+    except BaseException:
+        if made_here:
+            out_dir.rmdir()
+        raise
+    try:
+        dirs = [out_dir / f"{i:02d}-{_slug(label)}" for i, (label, _) in enumerate(variants)]
+        for d, (label, cfg) in zip(dirs, variants):  # a folder of another run stops the sweep before it starts
+            if d.is_dir():
+                decide(d, cfg, what=f"variant {label!r}: folder")
+        if not (out_dir / "sweep.jsonl").exists():
+            write_jsonl(out_dir / "sweep.jsonl", [])  # marks the folder as a sweep's
+        rows, failed = [], []
+        for i, ((label, cfg), run_dir) in enumerate(zip(variants, dirs)):
+            if progress:
+                print(f"[fedsim] sweep {i + 1}/{len(variants)}: {label}", flush=True)
+            try:
+                run_experiment(cfg, out=run_dir, progress=progress)
+                rows.append(variant_row(label, run_dir))
+            except RunInterrupted as exc:
+                exc.run_dir = out_dir  # type: ignore[attr-defined]
+                exc.resume_hint = f"fedsim sweep {path} --resume {out_dir}"  # type: ignore[attr-defined]
+                raise
+            except (ConfigError, KeyboardInterrupt):
+                raise
+            except Exception as exc:  # noqa: BLE001 - recorded; the other variants still run
+                failed.append(label)
+                rows.append({"variant": label, "status": "failed", "accuracy": None, "loss": None,
+                             "round_seconds": None, "run": run_dir.name,
+                             "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]})
+                if progress:
+                    print(f"[fedsim] sweep variant {label!r} failed: {rows[-1]['error']}", flush=True)
+            base_t = rows[0]["round_seconds"]
+            for r in rows:
+                r["time_ratio"] = r["round_seconds"] / base_t if base_t and r["round_seconds"] else None
+            write_jsonl(out_dir / "sweep.jsonl", rows)
+            write_sweep_report(out_dir, base, rows)
+        if failed:
+            err = SweepFailed(f"{len(failed)} of {len(variants)} variants failed: {failed}")
+            err.run_dir = out_dir  # type: ignore[attr-defined]
+            raise err
+    finally:
+        folder.release()
     return out_dir
 
 
 def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     leak_cols = sorted({k for r in rows for k in r if "." in k}, key=lambda k: (k.split(".")[0], k))
     eps = ["epsilon"] if any("epsilon" in r for r in rows) else []
-    cols = ["variant", "accuracy", "loss", *eps, *leak_cols, "round_seconds", "time_ratio", "failures"]
+    status = ["status"] if any(r.get("status", "completed") != "completed" for r in rows) else []
+    cols = ["variant", *status, "accuracy", "loss", *eps, *leak_cols, "round_seconds", "time_ratio", "failures"]
     fmt = {c: ".3f" for c in cols}
     fmt.update({c: ".2f" for c in cols if c.endswith("psnr") or c in ("round_seconds", "time_ratio")})
     fed, train = base["federation"], base["train"]
