@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import random
 import shutil
 import signal
 import stat
@@ -27,12 +28,13 @@ from fedsim.app import load_config
 from fedsim.app.cli import main
 from fedsim.app.runner import run_experiment
 from fedsim.checkpoint import CHECKPOINT, read_checkpoint, resume_blocker
-from fedsim.components import DEFENSES
+from fedsim.components import DEFENSES, TRANSFORMS
 from fedsim.data import registry as reg
 from fedsim.defense import Defense
 from fedsim.interrupt import RunInterrupted, StopSignal
 from fedsim.reports import read_jsonl
 from fedsim.runfolder import RunFolderError, open_run_folder
+from fedsim.seams import ServerTransform
 from fedsim.training import Recipe, batch_schedule, iter_batches
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -206,6 +208,7 @@ def _interrupt_in_training(monkeypatch, round_: int):
             time.sleep(1)  # the handler raises before this returns
         return original(*args, **kw)
 
+    trap.__wrapped__ = original
     monkeypatch.setattr(client_module, "local_train", trap)
     return fired
 
@@ -235,6 +238,32 @@ def test_interrupted_in_a_client_resume_equals_uninterrupted(per_node, tmp_path,
     assert main(["run", "--resume", str(out), "--quiet"]) == 0  # the CLI's --resume, config from the folder
     same_run(out, ref)
     assert json.loads((out / "summary.json").read_text())["resumed_from"] == [2]
+
+
+class _GlobalRng(ServerTransform):
+    """Draws from the server process's global RNGs every round (as third-party code may). (Not torch's: on
+    the in-process backend the clients share it, and their per-process model cache makes a first run
+    draw from it where a second does not.)"""
+
+    name = "test-global-rng"
+
+    def after_aggregate(self, ctx, aggregate):
+        shift = np.random.normal(0, 1e-3) + random.gauss(0, 1e-3)
+        return [a + np.asarray(shift, dtype=a.dtype) if np.issubdtype(a.dtype, np.floating) else a
+                for a in aggregate]
+
+
+def test_resume_restores_the_global_rng_positions(tmp_path, monkeypatch):
+    monkeypatch.setitem(TRANSFORMS, _GlobalRng.name, _GlobalRng)
+    cfg = load_config(None, ["federation.rounds=4", "federation.num_clients=2", "train.local_steps=1",
+                             'simulation.backend="inprocess"', 'device="cpu"', 'transforms=[{name="test-global-rng"}]'])
+    ref = run_experiment(cfg, out=tmp_path / "reference", progress=False)
+    _interrupt_in_training(monkeypatch, 3)
+    with pytest.raises(RunInterrupted):
+        run_experiment(cfg, out=tmp_path / "run", progress=False)
+    monkeypatch.setattr(client_module, "local_train", client_module.local_train.__wrapped__)
+    run_experiment(cfg, out=tmp_path / "run", progress=False)
+    same_run(tmp_path / "run", ref)
 
 
 def test_a_stop_inside_the_round_end_waits_for_the_checkpoint():
@@ -283,7 +312,9 @@ def test_a_failed_round_leaves_a_resumable_run(tmp_path, monkeypatch, capsys):
     assert read_checkpoint(out / CHECKPOINT).round == 1
 
     monkeypatch.setattr(_FailInRound, "FAIL_AT", [])
+    capsys.readouterr()
     assert main(argv) == 0  # same config, same folder: continues after round 1
+    assert "resuming after round 1" in capsys.readouterr().err
     ref = run_experiment(load_config(cfg_file), out=tmp_path / "reference", progress=False)
     same_run(out, ref)
 
@@ -295,7 +326,7 @@ def test_a_complete_run_is_not_run_again_and_another_config_is_refused(tmp_path,
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     capsys.readouterr()
     assert main(["run", str(cfg_file), "--out", str(out)]) == 0
-    assert "complete: nothing to do" in capsys.readouterr().out
+    assert "complete: nothing to do" in capsys.readouterr().err
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
 
     for extra in (["--set", "seed=4"], ["--resume", str(out), "--set", "train.lr=0.2"]):
@@ -509,7 +540,7 @@ def test_bad_values_exit_2_naming_the_key_before_any_folder(sets, expected, tmp_
 
 @pytest.mark.parametrize("case", ["truncated", "garbage", "non-utf8-config", "config-is-a-folder",
                                   "out-is-a-file", "out-under-a-file", "out-read-only",
-                                  "bad-sweep-variant-partition"])
+                                  "bad-sweep-variant-partition", "attack-out-is-a-file"])
 def test_bad_files_and_folders_exit_2_naming_them(case, tmp_path, monkeypatch, capsys):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -549,6 +580,11 @@ def test_bad_files_and_folders_exit_2_naming_them(case, tmp_path, monkeypatch, c
         allowed.add("ro")
         argv += ["--out", str(ro / "run")]
         expected = ["cannot create --out", "Permission denied"]
+    elif case == "attack-out-is-a-file":
+        f = tmp_path / "afile"
+        f.write_text("x")
+        argv = ["attack", "--attack", "dlg", "--out", str(f), "--set", f'output.dir="{tmp_path / "runs"}"']
+        expected = [str(f), "exists and is not a folder"]
     else:
         sweep = tmp_path / "sweep.toml"
         sweep.write_text(cfg_file.read_text() + '[[variants]]\nlabel = "ok"\n\n[[variants]]\nlabel = "split"\n'
@@ -558,7 +594,7 @@ def test_bad_files_and_folders_exit_2_naming_them(case, tmp_path, monkeypatch, c
     code = main(argv)
     err = capsys.readouterr().err
     assert code == 2, err
-    assert err.startswith("fedsim: error:") and "Traceback" not in err
+    assert err.startswith("fedsim: error:") and err.count("\n") == 1 and "Traceback" not in err
     for s in expected:
         assert s in err, f"{s!r} not in {err!r}"
     _no_folder_written(tmp_path, cwd, allowed)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -108,10 +109,13 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
     folder.created = folder.created or made_here
     try:
         if folder.action == "complete":
-            if progress:
-                print(f"[fedsim] {run_dir} holds this run, complete: nothing to do (--overwrite runs it again)")
+            print(f"[fedsim] {run_dir} holds this run, complete: nothing to do (--overwrite runs it again)",
+                  file=sys.stderr)
             return run_dir
         ckpt = folder.decision.checkpoint if folder.action == "resume" else None
+        if ckpt is not None:
+            print(f"[fedsim] {run_dir} holds this run: resuming after round {ckpt.round} "
+                  "(--overwrite starts it again)", file=sys.stderr)
         atomic_write_text(run_dir / "config.toml", dump_toml(cfg))
         quiet_logs()
         stop = stop if stop is not None else StopSignal()

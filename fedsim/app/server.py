@@ -273,8 +273,6 @@ class Server:
             if self.resume is not None:
                 state = self.restore(self.resume)
                 first = self.resume.round + 1
-                if self.progress:
-                    print(f"[fedsim] resuming after round {self.resume.round}", file=sys.stderr, flush=True)
             else:
                 state = engine.channel.initial(self.initial)
                 handshake = RoundRecord(0)
