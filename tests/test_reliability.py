@@ -238,6 +238,22 @@ def test_interrupted_in_a_client_resume_equals_uninterrupted(per_node, tmp_path,
     assert main(["run", "--resume", str(out), "--quiet"]) == 0  # the CLI's --resume, config from the folder
     same_run(out, ref)
     assert json.loads((out / "summary.json").read_text())["resumed_from"] == [2]
+    assert not (out / CHECKPOINT).exists() and not (out / "client-state").exists()  # complete: not needed
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_without_touching_the_folder(tmp_path, monkeypatch, capsys):
+    cfg_file = write_config(tmp_path, rounds=4)
+    out = tmp_path / "run"
+    _interrupt_in_training(monkeypatch, 3)
+    assert main(["run", str(cfg_file), "--out", str(out), "--quiet"]) == 130
+    monkeypatch.undo()
+    (out / "updates.jsonl").write_text("")  # an observer's file lost
+    summary = (out / "summary.json").read_text()
+    capsys.readouterr()
+    assert main(["run", "--resume", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "observer 'update-norms' cannot take its state back" in err and "--overwrite" in err
+    assert (out / "summary.json").read_text() == summary  # still says interrupted
 
 
 class _GlobalRng(ServerTransform):

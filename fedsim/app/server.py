@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import io
 import logging
+import shutil
 import sys
 import time
 import traceback
@@ -39,6 +40,7 @@ from fedsim.checkpoint import (
     CHECKPOINT,
     CLIENT_STATE,
     Checkpoint,
+    CheckpointError,
     config_identity,
     prune_client_states,
     resume_blocker,
@@ -228,25 +230,32 @@ class Server:
         prune_client_states(self.out / CLIENT_STATE, rnd)
 
     def restore(self, ckpt: Checkpoint) -> Any:
-        """Bring the run back to the end of round ``ckpt.round``; returns the global state."""
+        """Bring the run back to the end of round ``ckpt.round``; returns the global state. A checkpoint
+        that does not fit the run raises :class:`CheckpointError` (the folder's summary is left alone)."""
         engine = self.engine
         comps = ckpt.components
-        names = [t.name for t in engine.transforms]
-        if len(comps.get("transforms", [])) != len(names) or len(comps.get("observers", [])) != len(self.observers):
-            raise ConfigError(f"{self.out / CHECKPOINT} does not match this run's transforms/observers")
-        engine.rule.load_state(comps.get("strategy", {}))
-        engine.channel.load_state(comps.get("channel", {}))
-        for t, st in zip(engine.transforms, comps["transforms"]):
-            t.load_state(st)
+        where = self.out / CHECKPOINT
+        if len(comps.get("transforms", [])) != len(engine.transforms) or \
+                len(comps.get("observers", [])) != len(self.observers):
+            raise CheckpointError(f"{where} does not match this run's transforms/observers; use --overwrite "
+                                  "to start the run again")
         rows = read_jsonl(self.out / "metrics.jsonl", skip_bad=True) if (self.out / "metrics.jsonl").exists() else []
         rows = [r for r in rows if isinstance(r.get("round"), int) and r["round"] <= ckpt.round]
         if [r["round"] for r in rows] != list(range(ckpt.round + 1)):
-            raise ConfigError(f"{self.out / 'metrics.jsonl'} does not hold rounds 0..{ckpt.round} of the checkpoint; "
-                              "use --overwrite to start the run again")
+            raise CheckpointError(f"{self.out / 'metrics.jsonl'} does not hold rounds 0..{ckpt.round} of the "
+                                  "checkpoint; use --overwrite to start the run again")
+        pieces = [(f"strategy {engine.rule.name!r}", engine.rule, comps.get("strategy", {})),
+                  (f"channel {engine.channel.name!r}", engine.channel, comps.get("channel", {})),
+                  *((f"transform {t.name!r}", t, st) for t, st in zip(engine.transforms, comps["transforms"]))]
         write_jsonl(self.out / "metrics.jsonl", rows)  # drop the rows of an interrupted round
         self.rows = rows
-        for obs, st in zip(self.observers, comps["observers"]):
-            obs.load_state(st)
+        pieces += [(f"observer {o.name!r}", o, st) for o, st in zip(self.observers, comps["observers"])]
+        for what, comp, st in pieces:
+            try:
+                comp.load_state(st)
+            except (ValueError, KeyError, TypeError, OSError) as exc:
+                raise CheckpointError(f"{where}: {what} cannot take its state back ({type(exc).__name__}: {exc}); "
+                                      "use --overwrite to start the run again") from exc
         self._committed_observers = comps["observers"]
         engine.failures[:] = list(ckpt.failures)
         prune_client_states(self.out / CLIENT_STATE, ckpt.round)  # files of the interrupted round go
@@ -254,6 +263,13 @@ class Server:
         state = engine.channel.initial([a.copy() for a in ckpt.arrays])
         self.completed, self.committed = ckpt.round, state
         return state
+
+    def drop_checkpoint(self) -> None:
+        """A complete run needs no checkpoint (``model.pt`` is the final model): remove it and the mirror."""
+        if self.out is None:
+            return
+        (self.out / CHECKPOINT).unlink(missing_ok=True)
+        shutil.rmtree(self.out / CLIENT_STATE, ignore_errors=True)
 
     def elapsed(self) -> float:
         return self.prior_seconds + time.perf_counter() - self._t_start
@@ -286,11 +302,14 @@ class Server:
                 self.round_end(grid, state, record, t0)
             with stop.shielded(raise_pending=False):  # the run is complete: a late signal changes nothing
                 summary = self.finish(state, self.elapsed())
+                self.drop_checkpoint()
             return summary
         except KeyboardInterrupt as exc:
             signame = exc.signame if isinstance(exc, RunInterrupted) else "SIGINT"
             self._stopped("interrupted" if signame.startswith("SIG") else "failed", signame=signame)
             raise RunInterrupted(signame, self.completed) from None
+        except CheckpointError:
+            raise  # the checkpoint does not fit: the folder stays as the interrupted run left it
         except Exception as exc:
             if stop.requested:  # e.g. Ray's processes died of the terminal's SIGINT before the server saw it
                 self._stopped("interrupted", signame=stop.signame)
