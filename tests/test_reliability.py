@@ -555,7 +555,7 @@ def test_bad_values_exit_2_naming_the_key_before_any_folder(sets, expected, tmp_
 
 
 @pytest.mark.parametrize("case", ["truncated", "garbage", "non-utf8-config", "config-is-a-folder",
-                                  "out-is-a-file", "out-under-a-file", "out-read-only",
+                                  "out-is-a-file", "out-under-a-file", "output-dir-under-a-file", "out-read-only",
                                   "bad-sweep-variant-partition", "attack-out-is-a-file"])
 def test_bad_files_and_folders_exit_2_naming_them(case, tmp_path, monkeypatch, capsys):
     cwd = tmp_path / "cwd"
@@ -588,6 +588,11 @@ def test_bad_files_and_folders_exit_2_naming_them(case, tmp_path, monkeypatch, c
         f.write_text("x")
         argv += ["--out", str(f / "run")]
         expected = ["cannot create --out", str(f / "run")]
+    elif case == "output-dir-under-a-file":
+        f = tmp_path / "afile"
+        f.write_text("x")
+        argv += ["--set", f'output.dir="{f / "runs"}"']
+        expected = ["cannot create a run folder in output.dir", str(f / "runs")]
     elif case == "out-read-only":
         if os.geteuid() == 0:
             pytest.skip("root writes into read-only folders")

@@ -120,10 +120,18 @@ class RunGrid(Grid):
         return self.inner.pull_messages(message_ids)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """Flower's push-then-poll loop, with the stop signal checked between polls."""
+        """Flower's push-then-poll loop, with the stop signal checked between polls (grids that poll at a
+        ``pull_interval``: the simulation engine's; others, such as the in-process grid that answers at
+        once or a deployment's, send and receive as they do, and the stop is checked before sending)."""
+        if not hasattr(self.inner, "pull_interval"):
+            messages = list(messages)
+            self.stop.check()
+            for m in messages:
+                self._augment(m)
+            return self.inner.send_and_receive(messages, timeout=timeout)
         ids = set(self.push_messages(messages))
         end = time.monotonic() + (timeout if timeout is not None else 0.0)
-        interval = float(getattr(self.inner, "pull_interval", 0.01) or 0.01)
+        interval = float(self.inner.pull_interval)
         out: list[Message] = []
         while timeout is None or time.monotonic() < end:
             got = list(self.inner.pull_messages(ids))
