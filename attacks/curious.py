@@ -51,7 +51,7 @@ from fedsim.components import ATTACKS, KNOWLEDGE, OBSERVERS
 from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.protocol import NOISE_VARIANCE
-from fedsim.training import Recipe, batch_schedule, derive_seed, resolve_device
+from fedsim.training import Recipe, derive_seed, iter_batches, resolve_device
 
 
 def select_truth(recon: torch.Tensor, truth_x: torch.Tensor, truth_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +99,14 @@ class CuriousServer(Observer):
             raise ValueError(f"attack.rounds must be \"all\" or a list of round numbers >= 1, got {rounds!r}")
         if every < 0:
             raise ValueError(f"attack.every must be an integer >= 0, got {every!r}")
+        n_rounds = cfg["federation"]["rounds"]
+        if isinstance(rounds, list) and any(r > n_rounds for r in rounds):
+            raise ValueError(f"attack.rounds {sorted(r for r in rounds if r > n_rounds)} are after the last round "
+                             f"(federation.rounds = {n_rounds}): nothing would be attacked there")
         n_clients = cfg["federation"]["num_clients"]
+        if isinstance(victims, int) and not isinstance(victims, bool) and victims > n_clients:
+            raise ValueError(f"attack.victims = {victims} asks for more victims than the federation has clients "
+                             f"(federation.num_clients = {n_clients})")
         ok = victims == "sampled" or (isinstance(victims, int) and not isinstance(victims, bool) and victims >= 1) \
             or (isinstance(victims, list) and all(isinstance(v, int) and 0 <= v < n_clients for v in victims))
         if not ok:
@@ -124,6 +131,7 @@ class CuriousServer(Observer):
         self.out: Path | None = None
         self._pending: dict[int, list[ClientUpdate]] = {}
         self.unreadable = 0  # replies the server could not read (encrypted channels)
+        self.warnings: list[str] = []  # victims asked for but not attacked (not sampled, or failed)
         self._images: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -165,6 +173,16 @@ class CuriousServer(Observer):
     def on_round_end(self, round: int, metrics: Mapping[str, Any]) -> None:
         pending = self._pending.pop(round, [])
         individual = [u for u in pending if u.kind != "aggregate"]
+        if self.attacks_round(round) and round >= 1 and not any(u.kind == "aggregate" for u in pending):
+            got = sorted({u.client_id for u in individual})
+            if isinstance(self.victims, list):
+                missed = [v for v in self.victims if v not in got]
+                if missed:
+                    self.warnings.append(f"round {round}: victims {missed} sent no readable update (not sampled, "
+                                         "or failed); not attacked")
+            elif isinstance(self.victims, int) and not isinstance(self.victims, bool) and len(got) < self.victims:
+                self.warnings.append(f"round {round}: {self.victims} victims asked for, {len(got)} readable "
+                                     "updates; attacked those")
         if individual:
             by_client = {u.client_id: u for u in individual}
             for cid in self._chosen_victims(round, list(by_client)):
@@ -188,6 +206,8 @@ class CuriousServer(Observer):
             out["leakage_note"] = self.unreadable_note()
         elif self.aggregate_note():
             out["leakage_note"] = self.aggregate_note()
+        if self.warnings:
+            out["leakage_warnings"] = list(self.warnings)
         return out
 
     def aggregate_note(self) -> str:
@@ -200,6 +220,19 @@ class CuriousServer(Observer):
         return (f"the channel gave the server only the secure aggregate: it attacked the aggregate of "
                 f"{' / '.join(map(str, ks))} clients as one batch of {' / '.join(map(str, batches))} images "
                 f"({len(agg)} attacks; scored against the union of the contributors' samples)")
+
+    # ---- checkpoints (resuming a run) -------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"rows": [dict(r) for r in self.rows], "unreadable": self.unreadable, "warnings": list(self.warnings),
+                "images": {k: [tx, rx] for k, (tx, rx) in self._images.items()}}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.rows = [dict(r) for r in state.get("rows", [])]
+        self.unreadable = int(state.get("unreadable", 0))
+        self.warnings = list(state.get("warnings", []))
+        self._images = {k: (torch.as_tensor(tx), torch.as_tensor(rx)) for k, (tx, rx) in state.get("images", {}).items()}
+        if self.out is not None and self.rows:
+            self.write_outputs()
 
     def unreadable_note(self) -> str:
         return (f"attacked nothing on {self.unreadable} intercepted replies: the channel gave the server "
@@ -252,13 +285,14 @@ class CuriousServer(Observer):
 
     def client_truth(self, client: int, rnd: int, recipe: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = client_data(self.cfg, client)
-        sched = batch_schedule(self.cfg["seed"], rnd, client, len(y), Recipe.from_mapping(recipe))
-        seen: list[int] = []
-        for b in sched:
+        want = min(self.max_truth, len(y))
+        seen: dict[int, None] = {}  # first-seen order; stop once enough samples are known (any local_steps)
+        for b in iter_batches(self.cfg["seed"], rnd, client, len(y), Recipe.from_mapping(recipe)):
             for i in b.tolist():
-                if i not in seen:
-                    seen.append(i)
-        idx = torch.as_tensor(seen[: self.max_truth])
+                seen.setdefault(i)
+            if len(seen) >= want:
+                break
+        idx = torch.as_tensor(list(seen)[: self.max_truth])
         return x[idx], y[idx]
 
     def attack_one(self, update: ClientUpdate, name: str) -> dict[str, Any]:
@@ -420,8 +454,9 @@ class CuriousServer(Observer):
         from fedsim.reports import md_table
 
         if not self.rows:
-            return f"## Gradient leakage (curious server)\n\nThe curious server {self.unreadable_note()}.\n" \
-                if self.unreadable else ""
+            head = [f"The curious server {self.unreadable_note()}.\n"] if self.unreadable else []
+            head += [f"- {w}" for w in self.warnings]
+            return "\n".join(["## Gradient leakage (curious server)\n", *head, ""]) if head else ""
         text = ["## Gradient leakage (curious server)\n",
                 f"Attacks {', '.join(self.names)} on rounds {self.rounds if not self.every else f'every {self.every}'}"
                 f", victims {self.victims}. Reconstructions are matched to the victim's samples by optimal "
@@ -448,4 +483,6 @@ class CuriousServer(Observer):
                 "![leakage](leakage.png)\n"]
         text += [f"![{n}](reconstruction_{n}.png)\n" for n in self.names
                  if any(k.startswith(n + "-") for k in self._images)]
+        if self.warnings:
+            text += ["### Warnings\n", *(f"- {w}" for w in self.warnings), ""]
         return "\n".join(text)

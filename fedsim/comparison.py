@@ -34,7 +34,8 @@ def run_row(label: str, run_dir: str | Path) -> dict[str, Any]:
     rows = read_jsonl(run_dir / "metrics.jsonl")
     train_rounds = [r for r in rows if r["round"] >= 2] or [r for r in rows if r["round"] >= 1]
     secs = [r["seconds"] for r in train_rounds]
-    row: dict[str, Any] = {"variant": label, "accuracy": summary.get("final_accuracy"),
+    row: dict[str, Any] = {"variant": label, "status": summary.get("status", "completed"),
+                           "accuracy": summary.get("final_accuracy"),
                            "loss": summary.get("final_loss"),
                            "round_seconds": float(np.median(secs)) if secs else None,
                            "failures": summary.get("client_failures", 0), "run": run_dir.name}
@@ -233,7 +234,8 @@ def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparis
 
 def table_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     extra = [c for c in ("client_accuracy", "epsilon") if any(c in r for r in rows)]
-    cols = ["variant", "accuracy", *accuracy_columns(rows), "loss", *extra, *leak_columns(rows), "round_seconds"]
+    status = ["status"] if any(r.get("status") not in (None, "completed") for r in rows) else []
+    cols = ["variant", *status, "accuracy", *accuracy_columns(rows), "loss", *extra, *leak_columns(rows), "round_seconds"]
     if any("time_ratio" in r for r in rows):
         cols.append("time_ratio")
     return cols + ["failures"]

@@ -91,6 +91,9 @@ def check_value(key: str, value: Any, annotation: Any) -> None:
     """Type check of one parameter against a scalar annotation; numbers must be finite."""
     spec = _scalar_types(annotation)
     if spec is None:
+        bad = _non_finite(value)
+        if bad is not None:
+            raise ConfigError(f"{key}{bad[0]} must be a finite number, got {bad[1]!r}")
         return
     allowed, nullable = spec
     if value is None:
@@ -112,6 +115,23 @@ def check_value(key: str, value: Any, annotation: Any) -> None:
         raise ConfigError(f"{key} must be {names}{' or unset' if nullable else ''}, got {value!r}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key} must be a finite number, got {value!r}")
+
+
+def _non_finite(value: Any, where: str = "") -> tuple[str, float] | None:
+    """The first NaN or infinity inside a (nested) list or table parameter: (its position, the value)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where, value
+    if isinstance(value, Mapping):
+        items = ((f".{k}", v) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for pos, v in items:
+        bad = _non_finite(v, where + pos)
+        if bad is not None:
+            return bad
+    return None
 
 
 def _load_file_module(path: str, what: str) -> types.ModuleType:

@@ -11,6 +11,8 @@ before anything is written. Validation needs the plugins registered: load config
 from __future__ import annotations
 
 import copy
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -112,6 +114,7 @@ SCHEMA: dict[str, Field] = {
     "client.flower_mods": Field(list, [], help="Flower client mods wrapping local training, e.g. local-dp"),
     "output.dir": Field(str, "runs", help="parent folder of run folders"),
     "output.observers": Field(list, ["update-norms"], help="observers at the interception point"),
+    "output.checkpoint": Field(bool, True, help="write checkpoint.npz after every round (resume with --resume)"),
 }
 OPEN_SECTIONS = ("strategy", "channel", "attack")  # parameters checked by their component
 LIST_SECTIONS = ("defenses", "transforms")
@@ -195,12 +198,23 @@ def _set_list_entry(cfg: dict, key: str, value: Any) -> None:
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
-    """Parse a TOML file; a missing or malformed file is a ConfigError naming it."""
+    """Parse a TOML file; a missing, unreadable, non-UTF-8 or malformed file is a ConfigError naming it."""
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        raise ConfigError(f"{what} {str(p)!r} is a folder, not a file")
+    if not p.exists():
         raise ConfigError(f"{what} {str(p)!r} does not exist")
     try:
-        return tomllib.loads(p.read_text())
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {str(p)!r} is not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+                          f"{exc.start}); TOML files must be UTF-8") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{what} {str(p)!r} is not valid TOML: {exc}") from exc
 
@@ -228,6 +242,8 @@ def _check_field(key: str, f: Field, v: Any) -> None:
     choices = f.allowed()
     if choices is not None and v not in choices:
         raise ConfigError(f"{key} must be one of {list(choices)}, got {v!r}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ConfigError(f"{key} must be a finite number, got {v!r}")
     if f.min is not None and v < f.min:
         raise ConfigError(f"{key} must be >= {f.min}, got {v!r}")
     if f.max is not None and v > f.max:
@@ -293,7 +309,58 @@ def validate(cfg: dict[str, Any]) -> None:
             resolve_device(cfg["device"])
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"device: {exc}") from exc
+    _check_simulation(cfg["simulation"])
     build_components(cfg)
+    check_data(cfg, require_available=False)
+
+
+def _check_simulation(sim: Mapping[str, Any]) -> None:
+    """Resources a local Ray cluster can never give (Flower's engine would stall waiting for clients)."""
+    if sim["backend"] != "ray" or sim.get("ray_address"):
+        return
+    cpus = os.cpu_count() or 1
+    if sim["num_cpus"] > cpus:
+        raise ConfigError(f"simulation.num_cpus = {sim['num_cpus']} is more than this machine's {cpus} CPUs: "
+                          "no client actor could start")
+    if sim["num_gpus"] > 0:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} but this machine has no GPU "
+                              "(CUDA is not available): no client actor could start")
+        if sim["num_gpus"] > torch.cuda.device_count():
+            raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} is more than this machine's "
+                              f"{torch.cuda.device_count()} GPUs")
+
+
+def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
+    """Everything the run needs from its data, checked now rather than inside every client: the dataset
+    loads (its files are present and intact), the public root split fits, and the client partition can
+    be drawn (``data.classes_per_client``, ``data.alpha``, ``data.max_per_class``,
+    ``federation.num_clients`` against the training set). The partition computed here is cached for the
+    run. Raises ConfigError naming the key, or DatasetUnavailable (only with ``require_available``:
+    validation alone tolerates a dataset that is missing here, since the runner reports it before
+    anything is written)."""
+    from fedsim.data import DatasetUnavailable
+    from fedsim.factories import dataset_for, partitions_for
+
+    try:
+        ds = dataset_for(cfg)
+    except DatasetUnavailable:
+        if require_available:
+            raise
+        return
+    except ValueError as exc:  # root_size and other dataset parameters
+        raise ConfigError(str(exc)) from None
+    try:
+        parts = partitions_for(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise ConfigError(f"data.partition = {cfg['data']['partition']!r} leaves clients {empty[:5]} without "
+                          f"samples ({len(ds.y_train)} training samples, federation.num_clients = "
+                          f"{cfg['federation']['num_clients']})")
 
 
 def check_model_and_data(cfg: Mapping[str, Any]) -> None:

@@ -129,6 +129,16 @@ class Observer:
     def report_markdown(self) -> str:  # a section appended to report.md
         return ""
 
+    def state(self) -> dict[str, Any] | None:
+        """What the observer has gathered so far, for the run's checkpoint (arrays, numbers, strings,
+        lists, dicts), or None (the default): the observer cannot be checkpointed, and a run that uses it
+        writes no checkpoint. Observers that keep nothing across rounds return ``{}``."""
+        return None
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state` when a run resumes (called after ``on_start``, so the observer knows
+        its folder and may bring its files back to the checkpointed round)."""
+
 
 OBSERVERS.base = Observer  # an import reference in output.observers must name an Observer
 
@@ -168,3 +178,20 @@ class UpdateNormObserver(Observer):
 
     def on_finish(self) -> dict[str, Any]:
         return {"updates_observed": len(self.rows)}
+
+    def state(self) -> dict[str, Any]:
+        return {"rows": len(self.rows)}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Re-read the first ``rows`` rows of ``updates.jsonl`` (rows of an interrupted round after the
+        checkpoint are dropped from the file)."""
+        from fedsim.reports import read_jsonl, write_jsonl
+
+        n = int(state.get("rows", 0))
+        rows = read_jsonl(self.path, skip_bad=True) if self.path is not None and self.path.exists() else []
+        if len(rows) < n:
+            raise ValueError(f"{self.path} has {len(rows)} rows, the checkpoint counts {n}")
+        self.rows = rows[:n]
+        self._written = n
+        if self.path is not None and len(rows) != n:
+            write_jsonl(self.path, self.rows)

@@ -49,6 +49,8 @@ STAGE = "stage"  # a channel's setup stage (e.g. key agreement)
 REPORT_TRAIN_LOSS = "report-train-loss"  # train: also report the trained model's loss on the training split
 CROSSVAL_MODELS = "crossval-models"  # cross-validation: how many models the message carries (see for_model)
 PARTITIONS = "partitions"  # the virtual clients (partition ids) a message to a node addresses
+STATE_MIRROR = "fedsim.state-mirror"  # folder a client mirrors its Context.state to (runs that checkpoint)
+RESUMED_AT = "fedsim.resumed-at"  # in a resumed run: the checkpointed round the run continues after
 
 # ---- MetricRecord keys (client -> server)
 PARTITION_ID = "partition-id"
@@ -98,6 +100,7 @@ NODE_NUM_PARTITIONS = "num-partitions"
 # ---- client state (Flower's per-node Context.state; never sent)
 STATE_DEFENSES = "fedsim.defense-state"
 STATE_CHANNEL = "fedsim.channel-state"
+STATE_MIRROR_MARK = "fedsim.mirror-mark"  # the client's state was mirrored/restored in this session
 
 # ---- message types
 TRAIN = MessageType.TRAIN  # local training; reply: the client's model (through the channel)

@@ -76,6 +76,15 @@ class AggregationRule:
         """What the rule did this round (logged in metrics.jsonl under ``strategy.<key>``)."""
         return {}
 
+    def state(self) -> dict[str, Any]:
+        """What this component carries from one round to the next, for checkpoints: a dict of arrays,
+        numbers, strings, lists and dicts. Default: nothing (stateless). A component whose behaviour in
+        round t+1 depends on what it saw in round t must return it here, or resumed runs differ."""
+        return {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state` returned (resuming a run after ``setup``)."""
+
 
 class WeightedSumRule(AggregationRule):
     """A rule whose aggregate is a weighted mean of the client models: works under every channel."""
@@ -126,6 +135,15 @@ class ServerTransform:
     def metrics(self) -> dict[str, float]:
         """What the transform did this round (logged as ``<name>.<key>``)."""
         return {}
+
+    def state(self) -> dict[str, Any]:
+        """What this component carries from one round to the next, for checkpoints: a dict of arrays,
+        numbers, strings, lists and dicts. Default: nothing (stateless). A component whose behaviour in
+        round t+1 depends on what it saw in round t must return it here, or resumed runs differ."""
+        return {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state` returned (resuming a run after ``setup``)."""
 
 
 # ============================================================================= channels
@@ -180,6 +198,16 @@ class ServerChannel:
 
     def metrics(self) -> dict[str, float]:
         return {}
+
+    def state(self) -> dict[str, Any]:
+        """What this component carries from one round to the next, for checkpoints: a dict of arrays,
+        numbers, strings, lists and dicts. Default: nothing (stateless). A component whose behaviour in
+        round t+1 depends on what it saw in round t must return it here, or resumed runs differ."""
+        return {}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state` returned (resuming a run after ``setup``; the handshake is not repeated:
+        a channel with a setup exchange must restore its outcome here, or resuming is refused)."""
 
 
 class ClientChannel:

@@ -142,8 +142,9 @@ def scheduled_lr(train: Mapping[str, Any], server_round: int, rounds: int) -> fl
     raise ValueError(f"train.lr_schedule must be one of {list(LR_SCHEDULES)}, got {kind!r}")
 
 
-def batch_schedule(seed: int, round: int, client: int, n: int, recipe: Recipe) -> list[np.ndarray]:
-    """Positions (into the client's local data) of each local mini-batch, in training order.
+def iter_batches(seed: int, round: int, client: int, n: int, recipe: Recipe) -> Iterator[np.ndarray]:
+    """Positions (into the client's local data) of each local mini-batch, in training order, drawn lazily:
+    memory stays bounded by one permutation of the local data for any ``local_steps``/``local_epochs``.
 
     ``local_steps`` mode draws full batches of ``min(batch_size, n)`` from successive shuffles
     (drop-last), so every step sees the same batch size; ``local_epochs`` mode keeps the last
@@ -151,19 +152,25 @@ def batch_schedule(seed: int, round: int, client: int, n: int, recipe: Recipe) -
     """
     rng = np.random.default_rng(derive_seed(seed, round, client, 0xBA7C))
     bs = min(recipe.batch_size, n)
-    batches: list[np.ndarray] = []
     if recipe.local_steps is not None:
-        while len(batches) < recipe.local_steps:
+        done = 0
+        while done < recipe.local_steps:
             perm = rng.permutation(n)
             for k in range(n // bs):
-                batches.append(perm[k * bs:(k + 1) * bs])
-                if len(batches) == recipe.local_steps:
-                    break
+                yield perm[k * bs:(k + 1) * bs]
+                done += 1
+                if done == recipe.local_steps:
+                    return
     else:
         for _ in range(recipe.local_epochs or 0):
             perm = rng.permutation(n)
-            batches.extend(perm[k:k + bs] for k in range(0, n, bs))
-    return batches
+            for k in range(0, n, bs):
+                yield perm[k:k + bs]
+
+
+def batch_schedule(seed: int, round: int, client: int, n: int, recipe: Recipe) -> list[np.ndarray]:
+    """:func:`iter_batches` as a list (for callers that index it; the client trains from the iterator)."""
+    return list(iter_batches(seed, round, client, n, recipe))
 
 
 def get_weights(model: nn.Module) -> list[np.ndarray]:
@@ -244,12 +251,12 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
         model = adapted.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     runner.setup(model)
-    schedule = batch_schedule(seed, round, client, len(y), recipe)
     loss_fn = loss_function(loss)
     anchors = [p.detach().clone() for p in params] if recipe.proximal_mu else []  # w_global (FedProx)
     buffers: list[torch.Tensor | None] = [None] * len(params)  # momentum buffers (fresh every round)
-    total_loss, total_correct, seen = 0.0, 0, 0
-    for idx in schedule:
+    total_loss, total_correct, seen, steps = 0.0, 0, 0, 0
+    for idx in iter_batches(seed, round, client, len(y), recipe):
+        steps += 1
         ti = torch.as_tensor(idx)
         xb, yb = x[ti].to(device), y[ti].to(device)
         grads = runner.compute_gradient(model, loss_fn, xb, yb)
@@ -286,7 +293,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
     if declared is not None:
         dmetrics[NOISE_VARIANCE] = declared
     metrics = {TRAIN_LOSS: total_loss / max(seen, 1), TRAIN_ACCURACY: total_correct / max(seen, 1),
-               "local_steps": float(len(schedule)), "train_seconds": time.perf_counter() - t0, **dmetrics}
+               "local_steps": float(steps), "train_seconds": time.perf_counter() - t0, **dmetrics}
     return TrainResult(weights, len(y), metrics, new_state, runner.reply_extras())
 
 

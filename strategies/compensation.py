@@ -87,3 +87,11 @@ class MPCompensation(ServerTransform):
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+    def state(self) -> dict[str, Any]:
+        """The feedback residual carried into the next round (None without feedback or before round 1)."""
+        return {"residual": None if self.residual is None else [np.array(r) for r in self.residual]}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        res = state.get("residual")
+        self.residual = None if res is None else [np.asarray(r) for r in res]

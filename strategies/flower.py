@@ -144,6 +144,33 @@ class FlowerRule(AggregationRule):
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         self.names = list(param_names)
 
+    # ---- checkpoints: the Flower strategy's server-side state (FedOpt's moments, FedAvgM's momentum) ----
+    def state(self) -> dict[str, Any]:
+        """Every attribute of the wrapped strategy that holds arrays (``m_t``, ``v_t``, ``momentum_vector``,
+        ``current_arrays``, ...); scalars and settings come back from the config."""
+        attrs: dict[str, Any] = {}
+        for k, v in vars(self.strategy).items():
+            if isinstance(v, ArrayRecord):
+                attrs[k] = {"array_record": {n: a.numpy() for n, a in v.items()}}
+            elif isinstance(v, np.ndarray):
+                attrs[k] = {"array": v}
+            elif isinstance(v, dict) and v and all(isinstance(x, np.ndarray) for x in v.values()):
+                attrs[k] = {"dict": dict(v)}
+            elif isinstance(v, list) and v and all(isinstance(x, np.ndarray) for x in v):
+                attrs[k] = {"list": list(v)}
+        return {"attrs": attrs}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        for k, v in state.get("attrs", {}).items():
+            if "array_record" in v:
+                setattr(self.strategy, k, arrays_record(list(v["array_record"]), list(v["array_record"].values())))
+            elif "array" in v:
+                setattr(self.strategy, k, np.asarray(v["array"]))
+            elif "dict" in v:
+                setattr(self.strategy, k, {n: np.asarray(a) for n, a in v["dict"].items()})
+            elif "list" in v:
+                setattr(self.strategy, k, [np.asarray(a) for a in v["list"]])
+
     def configure_train(self, server_round: int, config: dict[str, Any]) -> None:
         """Every key Flower's ``configure_train`` adds to the ConfigRecord (e.g. ``proximal-mu``)."""
         probe_config = ConfigRecord()

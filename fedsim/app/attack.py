@@ -49,7 +49,7 @@ def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True) -> dict[s
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.toml", dump_toml(cfg))
     with torch_threads(int(cfg["simulation"].get("threads", 1))):  # attacks on a shared machine: 1 thread
-        server = Server(cfg, out, progress=progress, fixed_partitions=[VICTIM])
+        server = Server(cfg, out, progress=progress, fixed_partitions=[VICTIM], checkpoint=False)
         summary = server.run(InProcessGrid(client_app, cfg["federation"]["num_clients"]))
     rows = [r for obs in server.observers if obs.name == "curious-server" for r in obs.rows]
     if progress:
@@ -60,13 +60,31 @@ def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True) -> dict[s
 
 
 def _cmd_attack(args: argparse.Namespace) -> int:
-    from fedsim.factories import dataset_for
+    from fedsim.config import check_data
     from fedsim.reports import new_run_dir
+    from fedsim.runfolder import RunFolderError, open_run_folder
 
     cfg = oneshot_config(args)
-    dataset_for(cfg)  # availability errors before any folder exists
-    out = Path(args.out) if args.out else new_run_dir(cfg["output"]["dir"], cfg["name"])
-    run_oneshot(cfg, out, progress=not args.quiet)
+    check_data(cfg)  # availability and partition errors before any folder exists
+    try:
+        out = Path(args.out) if args.out else new_run_dir(cfg["output"]["dir"], cfg["name"])
+    except OSError as exc:
+        raise RunFolderError(f"cannot create an output folder in output.dir = {cfg['output']['dir']!r}: "
+                             f"{exc.strerror or exc}") from None
+    folder = open_run_folder(out, cfg, overwrite=args.overwrite)
+    folder.created = folder.created or not args.out
+    try:
+        if folder.action == "complete":
+            print(f"[fedsim] {out} holds this attack, complete: nothing to do (--overwrite runs it again)")
+        else:
+            run_oneshot(cfg, out, progress=not args.quiet)
+    except BaseException:
+        done = (folder.path / "summary.json").exists()
+        if folder.created and not done:
+            folder.discard()
+        raise
+    finally:
+        folder.release()
     print(f"[fedsim] results in {out}  (report: {out / 'report.md'})")
     return 0
 
@@ -95,7 +113,9 @@ def add_attack_command(sub: Any) -> None:
     output_arguments(a)
     a.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE",
                    help="further config overrides, e.g. --set attack.params.dlg.iterations=100")
-    a.add_argument("--out", help="output folder (default: runs/attack-<name>-<timestamp>)")
+    a.add_argument("--out", help="output folder (default: runs/attack-<name>-<timestamp>); a folder holding "
+                   "anything else is refused")
+    a.add_argument("--overwrite", action="store_true", help="clear the output folder first if it holds another run")
     a.set_defaults(func=_cmd_attack)
 
 

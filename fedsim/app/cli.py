@@ -27,9 +27,25 @@ def _shortcuts(args: argparse.Namespace) -> list[str]:
 def _cmd_run(args: argparse.Namespace) -> int:
     from fedsim.app import load_config
     from fedsim.app.runner import run_experiment
+    from fedsim.config import ConfigError
 
-    cfg = load_config(args.config, [*(args.set or []), *_shortcuts(args)])
-    run_dir = run_experiment(cfg, out=args.out, progress=not args.quiet)
+    out = args.out
+    if args.resume:
+        if out is not None and Path(out) != Path(args.resume):
+            raise ConfigError(f"--out {out} and --resume {args.resume} name different folders")
+        out = args.resume
+    sets = [*(args.set or []), *_shortcuts(args)]
+    if args.config is None:
+        if not args.resume:
+            raise ConfigError("give a config file (or --resume RUN_FOLDER to continue a run)")
+        stored = Path(args.resume) / "config.toml"
+        if not stored.is_file():
+            raise ConfigError(f"--resume {args.resume}: no fedsim run there (no config.toml)")
+        cfg = load_config(stored, sets)
+    else:
+        cfg = load_config(args.config, sets)
+    run_dir = run_experiment(cfg, out=out, progress=not args.quiet, overwrite=args.overwrite,
+                             resume=bool(args.resume))
     print(f"[fedsim] results in {run_dir}  (report: {Path(run_dir) / 'report.md'})")
     return 0
 
@@ -47,9 +63,17 @@ def _seeds(text: str | None) -> list[int] | None:
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from fedsim.app.sweep import run_sweep
+    from fedsim.config import ConfigError
 
-    out = run_sweep(args.config, [*(args.set or []), *_shortcuts(args)], out=args.out, progress=not args.quiet,
-                    only=args.only or [], seeds=_seeds(args.seeds))
+    out = args.out
+    if args.resume:
+        if out is not None and Path(out) != Path(args.resume):
+            raise ConfigError(f"--out {out} and --resume {args.resume} name different folders")
+        if not Path(args.resume).is_dir():
+            raise ConfigError(f"--resume {args.resume}: no such sweep folder")
+        out = args.resume
+    out = run_sweep(args.config, [*(args.set or []), *_shortcuts(args)], out=out, progress=not args.quiet,
+                    only=args.only or [], seeds=_seeds(args.seeds), overwrite=args.overwrite)
     print(f"[fedsim] sweep results in {out}  (report: {Path(out) / 'report.md'})")
     return 0
 
@@ -95,11 +119,19 @@ def run_shortcuts(p: argparse.ArgumentParser) -> None:
                    help="torch threads of this process (simulation.threads; 0 = torch's default, all cores)")
 
 
-def _config_arguments(p: argparse.ArgumentParser, config_help: str, set_help: str, out_what: str) -> None:
-    """The arguments every command that runs a config file takes: the file, --set, --out, --quiet."""
-    p.add_argument("config", help=config_help)
+def _config_arguments(p: argparse.ArgumentParser, config_help: str, set_help: str, out_what: str,
+                      config_optional: bool = False) -> None:
+    """The arguments every command that runs a config file takes: the file, --set, --out,
+    --resume/--overwrite, --quiet/--verbose and the shortcuts."""
+    p.add_argument("config", help=config_help, nargs="?" if config_optional else None)
     p.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help=set_help)
-    p.add_argument("--out", help=f"{out_what} to write (default: <output.dir>/<name>-<timestamp>)")
+    p.add_argument("--out", help=f"{out_what} to write (default: <output.dir>/<name>-<timestamp>). A folder "
+                   "holding this config's run is continued from its checkpoint (complete: nothing to do); "
+                   "a folder holding anything else is refused")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--resume", metavar="DIR", help=f"continue the {out_what} DIR after its last completed round "
+                   "(docs/failures.md)")
+    g.add_argument("--overwrite", action="store_true", help=f"clear the {out_what} first if it holds another run")
     output_arguments(p)
     run_shortcuts(p)
 
@@ -124,8 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="run an experiment config (Flower simulation on Ray)",
                        description="Run a federated simulation from a TOML config and write a run folder "
                                    "(config.toml, metrics.jsonl/.csv, summary.json, accuracy.png, report.md, ...).")
-    _config_arguments(r, "TOML config, e.g. experiments/default.toml",
-                      "override a config value (repeatable), e.g. --set federation.rounds=3", "run folder")
+    _config_arguments(r, "TOML config, e.g. experiments/default.toml (with --resume: default the run's own)",
+                      "override a config value (repeatable), e.g. --set federation.rounds=3", "run folder",
+                      config_optional=True)
     r.add_argument("--backend", choices=("ray", "inprocess"), help="override simulation.backend")
     r.set_defaults(func=_cmd_run)
 
@@ -163,25 +196,41 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done; 2 a bad input (config, data, run folder; nothing written); 1 the run failed
+    (its folder says how far it got); 128 + signal number when stopped by SIGINT (130) or SIGTERM (143)."""
     args = build_parser().parse_args(argv)  # --help / --version exit here, before anything heavy loads
     from fedsim import progress
+    from fedsim.checkpoint import CheckpointError
     from fedsim.components import ConfigError
+    from fedsim.interrupt import RunInterrupted
 
     if args.command != "datasets":
         progress.set_level(progress.QUIET if getattr(args, "quiet", False) else
                            progress.VERBOSE if getattr(args, "verbose", False) else progress.NORMAL)
     try:
         return args.func(args)
-    except ConfigError as exc:
+    except (ConfigError, CheckpointError) as exc:
         print(f"fedsim: error: {exc}", file=sys.stderr)
         return 2
+    except RunInterrupted as exc:
+        run_dir = getattr(exc, "run_dir", None)
+        where = f"; summary in {run_dir}/summary.json" if run_dir else ""
+        hint = getattr(exc, "resume_hint", None)
+        print(f"fedsim: {exc}{where}{f'; continue with: {hint}' if hint else ''}", file=sys.stderr)
+        return exc.exit_code
     except Exception as exc:
         from fedsim.data import DatasetUnavailable
 
         if isinstance(exc, DatasetUnavailable):
             print(f"fedsim: error: {exc}", file=sys.stderr)
             return 2
-        raise
+        run_dir = getattr(exc, "run_dir", None)
+        if run_dir is None:
+            raise  # not a run's failure: a bug, keep the traceback
+        line = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        print(f"fedsim: the run failed: {line} (traceback and last completed round in {run_dir}/summary.json)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from fedsim.app import load_plugins
+from fedsim.checkpoint import restore_client_state, save_client_state
 from fedsim.components import CLIENT_CHANNELS, FLOWER_MODS
 from fedsim.config import client_pipeline
 from fedsim.factories import client_data, client_validation_data, dataset_for, model_for
@@ -61,8 +62,10 @@ from fedsim.protocol import (
     PARTITION_ID,
     PARTITIONS,
     REPORT_TRAIN_LOSS,
+    RESUMED_AT,
     SERVER_ROUND,
     STATE_DEFENSES,
+    STATE_MIRROR,
     VAL_EXAMPLES,
     arrays_record,
     decode_array,
@@ -171,6 +174,27 @@ def serve_partitions(handler: Handler) -> Handler:
     return run
 
 
+def mirrored(handler: Handler) -> Handler:
+    """Mirror this client's ``Context.state`` to the run folder after a successful exchange, and restore
+    it in a resumed run (:mod:`fedsim.checkpoint`), when the server's message asks for it (runs that
+    checkpoint). Applied per partition (under :func:`serve_partitions`): each virtual client mirrors
+    its own state."""
+
+    def run(msg: Message, context: Context) -> Message:
+        conf = msg.content[CONFIG] if CONFIG in msg.content else None
+        if conf is None or STATE_MIRROR not in conf:
+            return handler(msg, context)
+        folder, pid = str(conf[STATE_MIRROR]), _partition_id(context)
+        if RESUMED_AT in conf:
+            restore_client_state(context.state, folder, pid, int(conf[RESUMED_AT]))
+        reply = handler(msg, context)
+        if not reply.has_error():
+            save_client_state(context.state, folder, pid, int(conf[SERVER_ROUND]) if SERVER_ROUND in conf else 0)
+        return reply
+
+    return run
+
+
 @client_app.query()
 def query(msg: Message, context: Context) -> Message:
     """Discovery: this node's partition id and the partitions it serves."""
@@ -186,12 +210,14 @@ def query(msg: Message, context: Context) -> Message:
 
 @client_app.query("channel")
 @serve_partitions
+@mirrored
 def channel_setup(msg: Message, context: Context) -> Message:
     return Message(channel_for(config_of(msg)).handshake(msg, context), reply_to=msg)
 
 
 @client_app.train()
 @serve_partitions
+@mirrored
 def train(msg: Message, context: Context) -> Message:
     """Local training, wrapped by the Flower mods the config names (``[[client.flower_mods]]``), inside
     whatever the channel's client half wraps around it (``ClientChannel.wrap_train``)."""

@@ -117,40 +117,101 @@ def _slug(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-").lower() or "variant"
 
 
+class SweepFailed(RuntimeError):
+    """Some variants failed (the others ran; the sweep's report lists every variant's status)."""
+
+
 def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None,
-              progress: bool = True, only: Sequence[str] = (), seeds: Sequence[int] | None = None) -> Path:
-    """Run every variant (once per seed when the file or ``seeds`` gives seeds); see the module docstring."""
+              progress: bool = True, only: Sequence[str] = (), seeds: Sequence[int] | None = None,
+              overwrite: bool = False) -> Path:
+    """Run every variant (once per seed when the file or ``seeds`` gives seeds) into
+    ``<out>/<nn>-<label>[-seed<s>]/``. Everything is checked first (configs, data, partitions, the
+    variant folders): a bad value anywhere stops the sweep before anything runs. Re-run into the same
+    ``out``, completed runs are skipped and interrupted ones resume from their checkpoints;
+    ``overwrite`` clears the folder first. A run that fails is recorded (``status`` in its row) and the
+    sweep goes on; :class:`SweepFailed` is raised at the end."""
     from fedsim.app.runner import run_experiment
+    from fedsim.config import check_data
+    from fedsim.interrupt import RunInterrupted
+    from fedsim.runfolder import RunFolderError, decide, open_sweep_folder
 
     base, variants, file_seeds = load_sweep_seeds(path, overrides, only)
     seeds = check_seeds(list(seeds), "--seeds") if seeds is not None else file_seeds
-    out_dir = Path(out) if out else new_run_dir(base["output"]["dir"], base.get("name", "sweep"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    jobs = [(i, label, cfg, s) for i, (label, cfg) in enumerate(variants) for s in (seeds or [None])]
-    runs: dict[int, list[dict[str, Any]]] = {}
-    run_dirs: dict[int, list[Path]] = {}
-    t0 = time.perf_counter()
-    with prog.suppressed(not progress):
-        for done, (i, label, cfg, seed) in enumerate(jobs):
-            folder = f"{i:02d}-{_slug(label)}"
-            if seed is not None:
-                cfg = copy.deepcopy(cfg)
-                cfg["seed"] = seed
-                cfg["name"] = f"{cfg['name']}-seed{seed}"
-                folder += f"-seed{seed}"
-            elapsed = time.perf_counter() - t0
-            left = f", ETA {prog.duration(prog.eta(done, len(jobs), elapsed))}" if done else ""
-            prog.say(f"sweep {done + 1}/{len(jobs)}: {label}" + (f" (seed {seed})" if seed is not None else "")
-                     + f"  [{done} done in {prog.duration(elapsed)}{left}]")
-            run_dir = run_experiment(cfg, out=out_dir / folder, progress=progress)
-            row = run_row(label, run_dir)
-            if seed is not None:
-                row["seed"] = seed
-            runs.setdefault(i, []).append(row)
-            run_dirs.setdefault(i, []).append(run_dir)
-            write_sweep_outputs(out_dir, base, variants, runs, run_dirs, seeds)
-        prog.say(f"sweep done: {len(jobs)} runs in {prog.duration(time.perf_counter() - t0)}; "
-                 f"report {out_dir / 'report.md'}")
+    for i, (label, cfg) in enumerate(variants):
+        try:
+            check_data(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"variants[{i}] ({label}): {exc}") from None
+    made_here = False
+    if out:
+        out_dir = Path(out)
+    else:
+        try:
+            out_dir = new_run_dir(base["output"]["dir"], base.get("name", "sweep"))
+        except OSError as exc:
+            raise RunFolderError(f"cannot create a sweep folder in output.dir = {base['output']['dir']!r}: "
+                                 f"{exc.strerror or exc}") from None
+        made_here = True
+    try:
+        folder = open_sweep_folder(out_dir, overwrite=overwrite)
+    except BaseException:
+        if made_here:
+            out_dir.rmdir()
+        raise
+    try:
+        jobs = []
+        for i, (label, cfg) in enumerate(variants):
+            for seed in (seeds or [None]):
+                name = f"{i:02d}-{_slug(label)}"
+                if seed is not None:
+                    cfg = copy.deepcopy(cfg)
+                    cfg["seed"] = seed
+                    cfg["name"] = f"{variants[i][1]['name']}-seed{seed}"
+                    name += f"-seed{seed}"
+                jobs.append((i, label, cfg, seed, out_dir / name))
+        for _, label, cfg, _, d in jobs:  # a folder of another run stops the sweep before it starts
+            if d.is_dir():
+                decide(d, cfg, what=f"variant {label!r}: folder")
+        if not (out_dir / "sweep.jsonl").exists():
+            write_jsonl(out_dir / "sweep.jsonl", [])  # marks the folder as a sweep's
+        runs: dict[int, list[dict[str, Any]]] = {}
+        run_dirs: dict[int, list[Path]] = {}
+        failed: list[str] = []
+        t0 = time.perf_counter()
+        with prog.suppressed(not progress):
+            for done, (i, label, cfg, seed, job_dir) in enumerate(jobs):
+                elapsed = time.perf_counter() - t0
+                left = f", ETA {prog.duration(prog.eta(done, len(jobs), elapsed))}" if done else ""
+                prog.say(f"sweep {done + 1}/{len(jobs)}: {label}" + (f" (seed {seed})" if seed is not None else "")
+                         + f"  [{done} done in {prog.duration(elapsed)}{left}]")
+                try:
+                    run_dir = run_experiment(cfg, out=job_dir, progress=progress)
+                    row = run_row(label, run_dir)
+                    run_dirs.setdefault(i, []).append(run_dir)
+                except RunInterrupted as exc:
+                    exc.run_dir = out_dir  # type: ignore[attr-defined]
+                    exc.resume_hint = f"fedsim sweep {path} --resume {out_dir}"  # type: ignore[attr-defined]
+                    raise
+                except (ConfigError, KeyboardInterrupt):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - recorded; the other runs still run
+                    failed.append(label if seed is None else f"{label} (seed {seed})")
+                    row = {"variant": label, "status": "failed", "accuracy": None, "loss": None,
+                           "round_seconds": None, "run": job_dir.name,
+                           "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+                    prog.say(f"sweep run {failed[-1]!r} failed: {row['error']}")
+                if seed is not None:
+                    row["seed"] = seed
+                runs.setdefault(i, []).append(row)
+                write_sweep_outputs(out_dir, base, variants, runs, run_dirs, seeds)
+            prog.say(f"sweep done: {len(jobs)} runs in {prog.duration(time.perf_counter() - t0)}; "
+                     f"report {out_dir / 'report.md'}")
+        if failed:
+            err = SweepFailed(f"{len(failed)} of {len(jobs)} runs failed: {failed}")
+            err.run_dir = out_dir  # type: ignore[attr-defined]
+            raise err
+    finally:
+        folder.release()
     return out_dir
 
 
@@ -161,17 +222,20 @@ def write_sweep_outputs(out_dir: Path, base: dict[str, Any], variants: Sequence[
     order = sorted(runs)
     if seeds:
         rows = [mean_std_rows(variants[i][0], runs[i], [r["seed"] for r in runs[i]]) for i in order]
+        for i, r in zip(order, rows):
+            if any(x.get("status") == "failed" for x in runs[i]):
+                r["status"] = "failed"
         every = [r for i in order for r in runs[i]]
         write_jsonl(out_dir / "runs.jsonl", every)
         write_csv(out_dir / "runs.csv", every)
     else:
         rows = [dict(runs[i][0]) for i in order]
-    base_t = rows[0]["round_seconds"]
+    base_t = rows[0].get("round_seconds")
     for r in rows:
-        r["time_ratio"] = r["round_seconds"] / base_t if base_t and r["round_seconds"] else None
+        r["time_ratio"] = r["round_seconds"] / base_t if base_t and r.get("round_seconds") else None
     write_jsonl(out_dir / "sweep.jsonl", rows)
     write_csv(out_dir / "sweep.csv", rows)
-    groups = [(variants[i][0], run_dirs[i]) for i in order]
+    groups = [(variants[i][0], run_dirs[i]) for i in order if run_dirs.get(i)]
     plot_comparison(groups, rows, out_dir / "comparison.png", title=str(base.get("name", "sweep")))
     write_sweep_report(out_dir, base, rows, seeds)
 

@@ -77,11 +77,25 @@ def _load_fmnist_small(data_dir: str | None, download: bool, root_size: int) -> 
 
 
 def _read_idx(path: Path) -> np.ndarray:
+    """An IDX file of unsigned bytes (optionally gzipped); a damaged file is reported by name."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        data = fh.read()
+    try:
+        with opener(path, "rb") as fh:
+            data = fh.read()
+    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError; a cut .gz raises EOFError
+        raise DatasetUnavailable(f"dataset file {path} cannot be read ({type(exc).__name__}: {exc}); "
+                                 "reinstall it") from None
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08 or not 1 <= data[3] <= 4:
+        raise DatasetUnavailable(f"dataset file {path} is not an IDX file of unsigned bytes (bad header "
+                                 f"{data[:4].hex() or 'empty'}); reinstall it")
     ndim = data[3]
+    if len(data) < 4 + 4 * ndim:
+        raise DatasetUnavailable(f"dataset file {path} is truncated (header cut short); reinstall it")
     dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    need = 4 + 4 * ndim + int(np.prod(dims, dtype=np.int64))
+    if len(data) != need:
+        raise DatasetUnavailable(f"dataset file {path} holds {len(data)} bytes, its header {dims} needs {need} "
+                                 "(truncated or damaged); reinstall it")
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims).copy()
 
 
@@ -114,6 +128,10 @@ def _load_fmnist(data_dir: str | None, download: bool, root_size: int) -> Datase
         return _read_idx(p if p.exists() else d / (f + ".gz"))
 
     xtr, ytr, xte, yte = (read(f) for f in FMNIST_FILES)
+    for x, y, f in ((xtr, ytr, FMNIST_FILES[1]), (xte, yte, FMNIST_FILES[3])):
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y) or (len(y) and int(y.max()) > 9):
+            raise DatasetUnavailable(f"dataset files in {d} do not match: {f} has {y.shape} labels "
+                                     f"(max {int(y.max()) if len(y) else '-'}) for images {x.shape}; reinstall them")
     xtr, ytr, xr, yr = _hold_out_root(xtr, ytr, root_size)
     return Dataset("fmnist", _images(xtr), _labels(ytr), _images(xte), _labels(yte), _images(xr),
                    _labels(yr), 10, class_names=FMNIST_CLASSES)
