@@ -34,6 +34,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/sim_overhead.py
 	$(PY) benchmarks/attack_speed.py
 	$(PY) benchmarks/compensation_cost.py
+	$(PY) benchmarks/secagg_overhead.py
 
 clean:
 	rm -rf runs .pytest_cache

@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from fedsim import progress
+
 from .base import AttackInput, AttackResult
 from .gradients import (
     _recipe_mapping,
@@ -181,7 +183,8 @@ def prepare_target(inp: AttackInput, muted: Sequence[str] = (), weights: Any = N
     recipe = dict(_recipe_mapping(inp.recipe))
     steps = local_step_count(recipe, inp.num_examples)
     grads = {n: g.to(inp.device) for n, g in
-             update_to_gradient(inp.update, recipe, names=names, num_examples=inp.num_examples).items()}
+             update_to_gradient(inp.update, recipe, names=names, num_examples=inp.num_examples,
+                                global_state=inp.global_state).items()}
     update = {n: inp.update[n].detach().float().to(inp.device) for n in names}
     return Target(model, names, matched, grads, update, recipe, steps, layer_weights(weights, matched, grads))
 
@@ -241,7 +244,9 @@ def lbfgs_loop(variables: list[torch.Tensor], objective: Callable[[], tuple[torc
     iterate; ``converged_at`` is the first ``t`` whose gradient distance is below ``threshold``. On exit
     the variables hold the iterate with the lowest loss seen (the converged one when stopping at the
     threshold); a non-finite loss stops the loop (``diverged``), so does a gradient distance stalled for
-    ``patience`` iterations or below ``floor`` (:class:`Stagnation`; ``stopped="patience"``).
+    ``patience`` iterations or below ``floor`` (:class:`Stagnation`; ``stopped="patience"``). Each
+    iteration reports its gradient distance to the open progress task (``fedsim.progress.tick``;
+    nothing when none is open).
     """
     opt = torch.optim.LBFGS(variables, lr=lr, max_iter=1, history_size=history, line_search_fn=line_search,
                             tolerance_grad=0.0, tolerance_change=0.0)
@@ -277,7 +282,9 @@ def lbfgs_loop(variables: list[torch.Tensor], objective: Callable[[], tuple[torc
             converged_at = it
             if stop_at_threshold:
                 best, stopped = snapshot, "threshold"
+                progress.tick(it + 1, iterations, distance=state["dist"])
                 break
+        progress.tick(it + 1, iterations, distance=state["dist"])
         if stall.step(state["dist"]):
             stopped = "patience"
             break

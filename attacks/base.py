@@ -13,6 +13,8 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 from torch import nn
 
+from fedsim.components import ATTACKS
+
 
 @dataclass
 class AttackInput:
@@ -26,6 +28,9 @@ class AttackInput:
     num_classes: int
     num_examples: int  # as reported by the client (examples per round)
     known_labels: torch.Tensor | None = None  # only for threat models that grant labels
+    # only under the threat model "BN statistics of the victim's batch known": BN layer name ->
+    # (mean, biased variance) of that layer's input over the victim's batch (attacks.bn_prior)
+    bn_stats: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     device: torch.device = torch.device("cpu")
     seed: int = 0  # the attacker's own randomness (initialisation)
 
@@ -92,11 +97,9 @@ class Attack:
         raise NotImplementedError
 
 
-ATTACKS: dict[str, type[Attack]] = {}
+ATTACKS.base = Attack
 
 
 def register(cls: type[Attack]) -> type[Attack]:
-    if not cls.name:
-        raise TypeError(f"{cls.__name__} needs a non-empty `name`")
-    ATTACKS[cls.name] = cls
-    return cls
+    """Class decorator: register an attack under its ``name`` (``[attack] name = ...``)."""
+    return ATTACKS.register(cls)

@@ -11,6 +11,11 @@ from the client: the client's batch order is a pure function of (seed, round, cl
 scorer recomputes exactly which samples the victim trained on. Reconstructions are matched to those
 samples by optimal assignment before PSNR/SSIM/MSE/label accuracy are computed.
 
+Under secure aggregation (SecAgg+) the server sees only the round's aggregate of k clients (an update
+of kind ``"aggregate"`` with its ``contributors``): it attacks it as one large batch (seed 004 §3.3) of
+k times the configured batch size, scored against the union of the contributors' samples; the report
+says it attacked an aggregate of k clients. Ciphertexts (Paillier) are not attacked at all.
+
 Config (``[attack]``)::
 
     [attack]
@@ -25,6 +30,8 @@ Config (``[attack]``)::
     max_truth = 64               # most samples considered as truth for multi-step updates
     compensate = false           # seed 000 §V-C abuse: apply global update compensation to the single
     compensate_Q = 6.0           #   victim's update (noise variance from its reply, or compensate_noise_variance)
+    [[attack.knowledge]]         # threat-model ablations: grant the attacker a defense's secret
+    name = "fedkl"               #   (attacks/knowledge.py; e.g. attacks/fedkl.py: key = true, lock = true)
     [attack.params.dlg]          # per-attack hyper-parameters
     iterations = 300
 """
@@ -32,71 +39,19 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 from scipy.optimize import linear_sum_assignment
 
-from attacks import ATTACKS, AttackInput, build_attack
+from attacks.base import AttackInput
+from fedsim import progress
+from fedsim.components import ATTACKS, KNOWLEDGE, OBSERVERS
+from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.observers import ClientUpdate, Observer
-
-ATTACK_KEYS = {"enabled", "name", "rounds", "every", "victims", "seed", "device", "psnr_threshold",
-               "ssim_threshold", "max_truth", "params", "max_images", "compensate", "compensate_Q",
-               "compensate_noise_variance"}
-
-
-def _names(section: Mapping[str, Any]) -> list[str]:
-    name = section.get("name", "dlg")
-    return [name] if isinstance(name, str) else list(name)
-
-
-def validate_attack_section(cfg: Mapping[str, Any]) -> None:
-    """Raise ValueError naming the bad ``attack.*`` key."""
-    sec = cfg["attack"]
-    if not isinstance(sec, Mapping):
-        raise ValueError("attack must be a table ([attack])")
-    for k in sec:
-        if k not in ATTACK_KEYS:
-            raise ValueError(f"unknown config key 'attack.{k}'; allowed: {sorted(ATTACK_KEYS)}")
-    names = _names(sec)
-    if not names or not all(isinstance(n, str) for n in names):
-        raise ValueError(f"attack.name must be an attack name or a list of names, got {sec.get('name')!r}")
-    for n in names:
-        if n not in ATTACKS:
-            raise ValueError(f"attack.name {n!r} is not an attack; allowed: {sorted(ATTACKS)}")
-    params = sec.get("params", {})
-    if not isinstance(params, Mapping):
-        raise ValueError("attack.params must be a table of per-attack tables ([attack.params.dlg])")
-    for n, p in params.items():
-        if n not in names:
-            raise ValueError(f"attack.params.{n}: {n!r} is not in attack.name {names}")
-        build_attack(n, **dict(p))  # validates the hyper-parameters (errors name the key)
-    rounds = sec.get("rounds", [1])
-    if not (rounds == "all" or (isinstance(rounds, list) and all(isinstance(r, int) and r >= 1 for r in rounds))):
-        raise ValueError(f"attack.rounds must be \"all\" or a list of round numbers >= 1, got {rounds!r}")
-    every = sec.get("every", 0)
-    if not isinstance(every, int) or every < 0:
-        raise ValueError(f"attack.every must be an integer >= 0, got {every!r}")
-    victims = sec.get("victims", "sampled")
-    ok = victims == "sampled" or (isinstance(victims, int) and not isinstance(victims, bool) and victims >= 1) or (
-        isinstance(victims, list) and all(isinstance(v, int) and 0 <= v < cfg["federation"]["num_clients"]
-                                          for v in victims))
-    if not ok:
-        raise ValueError(f"attack.victims must be \"sampled\", a positive integer k, or a list of client ids in "
-                         f"0..{cfg['federation']['num_clients'] - 1}, got {victims!r}")
-    for k in ("psnr_threshold", "ssim_threshold"):
-        if k in sec and not isinstance(sec[k], (int, float)):
-            raise ValueError(f"attack.{k} must be a number, got {sec[k]!r}")
-    if not isinstance(sec.get("compensate", False), bool):
-        raise ValueError(f"attack.compensate must be true or false, got {sec['compensate']!r}")
-    for k in ("compensate_Q", "compensate_noise_variance"):
-        if k in sec and (not isinstance(sec[k], (int, float)) or sec[k] < (1 if k == "compensate_Q" else 0)):
-            raise ValueError(f"attack.{k} must be a number >= {1 if k == 'compensate_Q' else 0}, got {sec[k]!r}")
-    for k in ("seed", "max_truth", "max_images"):
-        if k in sec and (not isinstance(sec[k], int) or sec[k] < (0 if k == "seed" else 1)):
-            raise ValueError(f"attack.{k} must be a {'non-negative' if k == 'seed' else 'positive'} integer, "
-                             f"got {sec[k]!r}")
+from fedsim.protocol import NOISE_VARIANCE
+from fedsim.training import Recipe, derive_seed, iter_batches, resolve_device
 
 
 def select_truth(recon: torch.Tensor, truth_x: torch.Tensor, truth_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,36 +64,81 @@ def select_truth(recon: torch.Tensor, truth_x: torch.Tensor, truth_y: torch.Tens
     return truth_x[idx], truth_y[idx]
 
 
+@OBSERVERS.register
 class CuriousServer(Observer):
     """Runs the configured attacks on intercepted updates and records leakage metrics."""
 
-    def __init__(self, cfg: Mapping[str, Any]):
-        from fedsim.training import resolve_device
+    name = "curious-server"
 
+    def __init__(self, *, cfg: Mapping[str, Any], name: str | list[str] = "dlg", rounds: str | list[int] | None = None,
+                 every: int = 0, victims: str | int | list[int] = "sampled", seed: int = 0, device: str = "auto",
+                 psnr_threshold: float | None = None, ssim_threshold: float = 0.5, max_truth: int = 64,
+                 max_images: int = 8, compensate: bool = False, compensate_Q: float = 6.0,
+                 compensate_noise_variance: float | None = None, params: Mapping[str, Any] | None = None,
+                 knowledge: list[Any] | None = None, stack: int = 16, enabled: bool = True):
         self.cfg = cfg
-        sec = dict(cfg["attack"])
-        self.names = _names(sec)
-        self.params = {n: dict(sec.get("params", {}).get(n, {})) for n in self.names}
-        self.rounds = sec.get("rounds", [1])
-        self.every = int(sec.get("every", 0))
-        self.victims = sec.get("victims", "sampled")
-        self.seed = int(sec.get("seed", 0))
-        self.device = resolve_device(sec.get("device", "auto"))
-        self.psnr_threshold = float(sec["psnr_threshold"]) if "psnr_threshold" in sec else None
-        self.ssim_threshold = float(sec.get("ssim_threshold", 0.5))
-        self.max_truth = int(sec.get("max_truth", 64))
-        self.max_images = int(sec.get("max_images", 8))
-        self.compensate = bool(sec.get("compensate", False))
-        self.compensate_Q = float(sec.get("compensate_Q", 6.0))
-        self.compensate_var = sec.get("compensate_noise_variance")
+        self.names = [name] if isinstance(name, str) else list(name)
+        if not self.names or not all(isinstance(n, str) for n in self.names):
+            raise ValueError(f"attack.name must be an attack name or a list of names, got {name!r}")
+        for n in self.names:
+            ATTACKS.lookup(n, "attack.name")
+        if "robbing" in self.names and not cfg["model"].get("imprint_bins"):
+            raise ValueError("attack.name 'robbing' is the malicious-server attack: it needs the imprinted model "
+                             "(model.imprint_bins) and the server transform [[transforms]] name = 'robbing-imprint'")
+        params = {} if params is None else params
+        if not isinstance(params, Mapping):
+            raise ValueError("attack.params must be a table of per-attack tables ([attack.params.dlg])")
+        for n in params:
+            if n not in self.names:
+                raise ValueError(f"attack.params.{n}: {n!r} is not in attack.name {self.names}")
+        self.params = {n: dict(params.get(n, {})) for n in self.names}
+        for n in self.names:  # validates the hyper-parameters (errors name the key)
+            ATTACKS.build_named(n, self.params[n], f"attack.params.{n}")
+        rounds = [1] if rounds is None else rounds
+        if not (rounds == "all" or (isinstance(rounds, list) and all(isinstance(r, int) and r >= 1 for r in rounds))):
+            raise ValueError(f"attack.rounds must be \"all\" or a list of round numbers >= 1, got {rounds!r}")
+        if every < 0:
+            raise ValueError(f"attack.every must be an integer >= 0, got {every!r}")
+        n_rounds = cfg["federation"]["rounds"]
+        if isinstance(rounds, list) and any(r > n_rounds for r in rounds):
+            raise ValueError(f"attack.rounds {sorted(r for r in rounds if r > n_rounds)} are after the last round "
+                             f"(federation.rounds = {n_rounds}): nothing would be attacked there")
+        n_clients = cfg["federation"]["num_clients"]
+        if isinstance(victims, int) and not isinstance(victims, bool) and victims > n_clients:
+            raise ValueError(f"attack.victims = {victims} asks for more victims than the federation has clients "
+                             f"(federation.num_clients = {n_clients})")
+        ok = victims == "sampled" or (isinstance(victims, int) and not isinstance(victims, bool) and victims >= 1) \
+            or (isinstance(victims, list) and all(isinstance(v, int) and 0 <= v < n_clients for v in victims))
+        if not ok:
+            raise ValueError(f"attack.victims must be \"sampled\", a positive integer k, or a list of client ids in "
+                             f"0..{n_clients - 1}, got {victims!r}")
+        if compensate_Q < 1:
+            raise ValueError(f"attack.compensate_Q must be a number >= 1, got {compensate_Q!r}")
+        if compensate_noise_variance is not None and compensate_noise_variance < 0:
+            raise ValueError(f"attack.compensate_noise_variance must be a number >= 0, got {compensate_noise_variance!r}")
+        for k, v, lo in (("seed", seed, 0), ("max_truth", max_truth, 1), ("max_images", max_images, 1),
+                         ("stack", stack, 1)):
+            if v < lo:
+                raise ValueError(f"attack.{k} must be an integer >= {lo}, got {v!r}")
+        self.rounds, self.every, self.victims, self.seed = rounds, int(every), victims, int(seed)
+        self.device = resolve_device(device)
+        self.psnr_threshold = float(psnr_threshold) if psnr_threshold is not None else None
+        self.ssim_threshold = float(ssim_threshold)
+        self.max_truth, self.max_images = int(max_truth), int(max_images)
+        self.stack = int(stack)  # victims of a round attacked as one stacked optimisation (1: one by one)
+        self.compensate, self.compensate_Q = bool(compensate), float(compensate_Q)
+        self.compensate_var = compensate_noise_variance
+        self.knowledge = KNOWLEDGE.build_list(knowledge or [], "attack.knowledge", cfg=cfg)
         self.rows: list[dict[str, Any]] = []
         self.out: Path | None = None
         self._pending: dict[int, list[ClientUpdate]] = {}
+        self.unreadable = 0  # replies the server could not read (encrypted channels)
+        self.warnings: list[str] = []  # victims asked for but not attacked (not sampled, or failed)
         self._images: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> "CuriousServer":
-        return cls(cfg)
+        return OBSERVERS.build_named(cls.name, cfg["attack"], "attack", cfg=cfg)
 
     # ---- which updates ------------------------------------------------------------------------
     def attacks_round(self, rnd: int) -> bool:
@@ -150,8 +150,6 @@ class CuriousServer(Observer):
         if self.victims == "sampled":
             return sorted(sampled)
         if isinstance(self.victims, int):
-            from fedsim.training import derive_seed
-
             rng = np.random.default_rng(derive_seed(self.seed, rnd, 0xC0))
             return sorted(rng.choice(sorted(sampled), size=min(self.victims, len(sampled)), replace=False).tolist())
         return sorted(v for v in self.victims if v in sampled)
@@ -160,17 +158,42 @@ class CuriousServer(Observer):
     def on_start(self, out_dir: Path | None) -> None:
         self.out = out_dir
 
+    def _attacks_aggregate(self, update: ClientUpdate) -> bool:
+        """An aggregate is attacked when every contributor may be a victim, or a chosen victim is one."""
+        if self.victims == "sampled" or isinstance(self.victims, int):
+            return True
+        return any(v in update.contributors for v in self.victims)
+
     def observe(self, update: ClientUpdate) -> None:
-        if self.attacks_round(update.round):
-            self._pending.setdefault(update.round, []).append(update)
+        if not self.attacks_round(update.round):
+            return
+        if update.kind == "ciphertext":  # nothing to attack: the channel gives the server ciphertexts only
+            self.unreadable += 1
+            return
+        self._pending.setdefault(update.round, []).append(update)
 
     def on_round_end(self, round: int, metrics: Mapping[str, Any]) -> None:
         pending = self._pending.pop(round, [])
-        if pending:
-            by_client = {u.client_id: u for u in pending}
-            for cid in self._chosen_victims(round, list(by_client)):
+        individual = [u for u in pending if u.kind != "aggregate"]
+        if self.attacks_round(round) and round >= 1 and not any(u.kind == "aggregate" for u in pending):
+            got = sorted({u.client_id for u in individual})
+            if isinstance(self.victims, list):
+                missed = [v for v in self.victims if v not in got]
+                if missed:
+                    self.warnings.append(f"round {round}: victims {missed} sent no readable update (not sampled, "
+                                         "or failed); not attacked")
+            elif isinstance(self.victims, int) and not isinstance(self.victims, bool) and len(got) < self.victims:
+                self.warnings.append(f"round {round}: {self.victims} victims asked for, {len(got)} readable "
+                                     "updates; attacked those")
+        if individual:
+            by_client = {u.client_id: u for u in individual}
+            chosen = [by_client[cid] for cid in self._chosen_victims(round, list(by_client))]
+            for name in self.names:  # every victim of the round at once (stacked where the attack can)
+                self.rows.extend(self.attack_many(chosen, name))
+        for u in pending:  # secure aggregation: the aggregate of k clients, attacked as one large batch
+            if u.kind == "aggregate" and self._attacks_aggregate(u):
                 for name in self.names:
-                    self.rows.append(self.attack_one(by_client[cid], name))
+                    self.rows.append(self.attack_one(u, name))
         for r in self.rows:  # the global model's accuracy at the end of the attacked round
             if r["round"] == round and "accuracy" not in r:
                 r["accuracy"] = metrics.get("accuracy")
@@ -180,12 +203,55 @@ class CuriousServer(Observer):
     def on_finish(self) -> dict[str, Any]:
         if self.out is not None and self.rows:
             self.write_outputs(final=True)
-        return {"leakage": self.summary_rows()}
+        out: dict[str, Any] = {"leakage": self.summary_rows()}
+        if self.unreadable:
+            out["leakage_note"] = self.unreadable_note()
+        elif self.aggregate_note():
+            out["leakage_note"] = self.aggregate_note()
+        if self.warnings:
+            out["leakage_warnings"] = list(self.warnings)
+        return out
+
+    def aggregate_note(self) -> str:
+        """Says what was attacked when the channel gave the server aggregates only ("" otherwise)."""
+        agg = [r for r in self.rows if r.get("aggregate_of")]
+        if not agg:
+            return ""
+        ks = sorted({r["aggregate_of"] for r in agg})
+        batches = sorted({r["batch_size"] for r in agg})
+        return (f"the channel gave the server only the secure aggregate: it attacked the aggregate of "
+                f"{' / '.join(map(str, ks))} clients as one batch of {' / '.join(map(str, batches))} images "
+                f"({len(agg)} attacks; scored against the union of the contributors' samples)")
+
+    # ---- checkpoints (resuming a run) -------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"rows": [dict(r) for r in self.rows], "unreadable": self.unreadable, "warnings": list(self.warnings),
+                "images": {k: [tx, rx] for k, (tx, rx) in self._images.items()}}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.rows = [dict(r) for r in state.get("rows", [])]
+        self.unreadable = int(state.get("unreadable", 0))
+        self.warnings = list(state.get("warnings", []))
+        self._images = {k: (torch.as_tensor(tx), torch.as_tensor(rx)) for k, (tx, rx) in state.get("images", {}).items()}
+        if self.out is not None and self.rows:
+            self.write_outputs()
+
+    def unreadable_note(self) -> str:
+        return (f"attacked nothing on {self.unreadable} intercepted replies: the channel gave the server "
+                "ciphertexts only (no plaintext update, no plaintext aggregate)")
 
     # ---- attacking and scoring -------------------------------------------------------------------
-    def attack_input(self, update: ClientUpdate) -> AttackInput:
-        from fedsim.client_app import dataset_for, model_for
+    @staticmethod
+    def aggregate_recipe(update: ClientUpdate) -> dict[str, Any]:
+        """The recipe an aggregate of k clients looks like to the attacker (seed 004 §3.3): FedAvg's
+        example-weighted mean of k one-batch updates is, for equal example counts, the update of one batch
+        of the k clients' images, so the batch is k times the configured one (at most the examples)."""
+        recipe = dict(update.recipe)
+        k = max(1, len(update.contributors))
+        recipe["batch_size"] = int(min(k * int(recipe["batch_size"]), max(update.num_examples, 1)))
+        return recipe
 
+    def attack_input(self, update: ClientUpdate) -> AttackInput:
         ds = dataset_for(self.cfg)
         names = update.param_names
         glob = {n: torch.as_tensor(np.array(a)) for n, a in zip(names, update.global_weights)}
@@ -193,58 +259,92 @@ class CuriousServer(Observer):
         if self.compensate:
             delta = self.compensated(update, delta)
         upd = {n: torch.as_tensor(d) for n, d in zip(names, delta)}
-        return AttackInput(model_fn=lambda: model_for(self.cfg), global_state=glob, update=upd,
-                           recipe=dict(update.recipe), input_shape=ds.in_shape, num_classes=ds.num_classes,
-                           num_examples=update.num_examples, device=self.device,
-                           seed=self.seed * 1000003 + update.round * 1009 + update.client_id)
+        recipe = self.aggregate_recipe(update) if update.kind == "aggregate" else dict(update.recipe)
+        inp = AttackInput(model_fn=lambda: model_for(self.cfg), global_state=glob, update=upd,
+                          recipe=recipe, input_shape=ds.in_shape, num_classes=ds.num_classes,
+                          num_examples=update.num_examples, device=self.device,
+                          seed=self.seed * 1000003 + update.round * 1009 + update.client_id)
+        for k in self.knowledge:  # threat-model ablations: what the attacker is granted beyond the update
+            inp = k.grant(inp, update)
+        return inp
 
     def compensated(self, update: ClientUpdate, delta: list[np.ndarray]) -> list[np.ndarray]:
         """Random-matrix compensation of one client's update (the abuse seed 000 §V-C discusses)."""
         from fedsim.compensation import GlobalUpdateCompensation
 
-        var = self.compensate_var if self.compensate_var is not None else update.metrics.get("noise_variance")
+        var = self.compensate_var if self.compensate_var is not None else update.metrics.get(NOISE_VARIANCE)
         if not var:
             return delta
         return GlobalUpdateCompensation(Q=self.compensate_Q).apply(delta, float(var), names=list(update.param_names))
 
     def ground_truth(self, update: ClientUpdate) -> tuple[torch.Tensor, torch.Tensor]:
-        """The samples the victim trained on this round, re-created from (seed, round, client)."""
-        import json
+        """The samples the victim trained on this round, re-created from (seed, round, client); for an
+        aggregate, the union of every contributor's samples."""
+        if update.kind == "aggregate":
+            parts = [self.client_truth(c, update.round, update.recipe) for c in update.contributors]
+            return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        return self.client_truth(update.client_id, update.round, update.recipe)
 
-        from fedsim.client_app import client_data
-        from fedsim.training import Recipe, batch_schedule
-
-        x, y = client_data(json.dumps(dict(self.cfg), sort_keys=True), update.client_id)
-        sched = batch_schedule(self.cfg["seed"], update.round, update.client_id, len(y),
-                               Recipe.from_mapping(update.recipe))
-        seen: list[int] = []
-        for b in sched:
+    def client_truth(self, client: int, rnd: int, recipe: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = client_data(self.cfg, client)
+        want = min(self.max_truth, len(y))
+        seen: dict[int, None] = {}  # first-seen order; stop once enough samples are known (any local_steps)
+        for b in iter_batches(self.cfg["seed"], rnd, client, len(y), Recipe.from_mapping(recipe)):
             for i in b.tolist():
-                if i not in seen:
-                    seen.append(i)
-        idx = torch.as_tensor(seen[: self.max_truth])
+                seen.setdefault(i)
+            if len(seen) >= want:
+                break
+        idx = torch.as_tensor(list(seen)[: self.max_truth])
         return x[idx], y[idx]
 
     def attack_one(self, update: ClientUpdate, name: str) -> dict[str, Any]:
+        return self.attack_many([update], name)[0]
+
+    def attack_many(self, updates: Sequence[ClientUpdate], name: str) -> list[dict[str, Any]]:
+        """Attack several intercepted updates with one attack; victims that share the global model and
+        recipe are solved as one stacked optimisation of at most ``attack.stack`` (``Attack.run_many``;
+        the same reconstructions as one by one up to float rounding), the rest one by one."""
+        if not updates:
+            return []
+        inputs = [self.attack_input(u) for u in updates]
+        attack = ATTACKS.build_named(name, self.params[name], f"attack.params.{name}")
+        who = ", ".join(str(u.client_id) for u in updates)
+        label = f"attack {name}: client{'s' if len(updates) > 1 else ''} {who}, round {updates[0].round}"
+        progress.say(f"{label}: started ({len(updates[0].param_names)} tensors, "
+                     f"{sum(u.num_examples for u in updates)} examples)")
+        t0 = time.perf_counter()
+        with progress.task(label, total=getattr(attack, "iterations", None), unit="it"):
+            results = attack.run_many(inputs, max_group=self.stack)
+        wall = time.perf_counter() - t0
+        return [self._score(u, name, r, r.trace.get("seconds", wall / len(updates)) if len(updates) > 1 else wall)
+                for u, r in zip(updates, results)]
+
+    def _score(self, update: ClientUpdate, name: str, result: Any, seconds: float) -> dict[str, Any]:
         from fedsim.metrics import score_reconstruction
 
-        inp = self.attack_input(update)
-        attack = build_attack(name, **self.params[name])
-        t0 = time.perf_counter()
-        result = attack.run(inp)
-        seconds = time.perf_counter() - t0
         rx, ry = result.inputs.detach().cpu().clamp(0, 1), result.labels.detach().cpu()
         tx, ty = self.ground_truth(update)
         tx, ty = select_truth(rx, tx, ty)
         score = score_reconstruction(rx, ry, tx, ty, psnr_threshold=self.psnr_threshold,
                                      ssim_threshold=self.ssim_threshold)
         matched = rx[torch.as_tensor(score["assignment"])]
-        self._images[f"{name}-r{update.round}-c{update.client_id}"] = (tx, matched)
+        who = f"agg{len(update.contributors)}" if update.kind == "aggregate" else f"c{update.client_id}"
+        self._images[f"{name}-r{update.round}-{who}"] = (tx, matched)
         row = {"round": update.round, "client": update.client_id, "attack": name, "batch_size": len(rx),
                "psnr": score["psnr"], "ssim": score["ssim"], "mse": score["mse"], "label_acc": score["label_acc"],
                "success_content": score["success_content"], "success_label": score["success_label"],
                "iterations": result.trace.get("iterations"), "converged_at": result.trace.get("converged_at"),
-               "seconds": seconds, "final_loss": (result.trace.get("loss") or [None])[-1]}
+               "seconds": seconds, "final_loss": (result.trace.get("loss") or [None])[-1],
+               "threat_model": result.trace.get("threat_model", "curious"),
+               "stacked": int(result.trace.get("group_size", 1))}
+        if update.kind == "aggregate":  # secure aggregation: one batch made of k clients' images
+            row["aggregate_of"] = len(update.contributors)
+            row["contributors"] = list(update.contributors)
+        if self.knowledge:
+            row["knowledge"] = ", ".join(k.label() for k in self.knowledge)
+        progress.say(f"attack {name}: client {update.client_id}, round {update.round}: PSNR {row['psnr']:.2f} dB  "
+                     f"SSIM {row['ssim']:.3f}  label acc {row['label_acc']:.2f}  {row['iterations']} it  "
+                     f"{seconds:.1f}s")
         return row
 
     # ---- outputs ------------------------------------------------------------------------------------
@@ -261,10 +361,12 @@ class CuriousServer(Observer):
         return out
 
     def write_outputs(self, final: bool = False) -> None:
+        from fedsim.export import write_csv
         from fedsim.reports import write_jsonl
 
         assert self.out is not None
         write_jsonl(self.out / "leakage.jsonl", self.rows)
+        write_csv(self.out / "leakage.csv", self.rows)
         self._write_grids()
         if final:
             self._write_plots()
@@ -302,6 +404,18 @@ class CuriousServer(Observer):
             save_figure(fig, self.out / f"reconstruction_{name}.png")
             plt.close(fig)
 
+    def plot_series(self) -> dict[str, tuple[list[int], list[float], list[float]]]:
+        """What leakage.png plots, per attack: attacked rounds, mean SSIM per round, mean accuracy per round."""
+        out = {}
+        for name in self.names:
+            rs = [r for r in self.rows if r["attack"] == name]
+            rounds = sorted({r["round"] for r in rs})
+            ssim = [float(np.mean([r["ssim"] for r in rs if r["round"] == k])) for k in rounds]
+            acc = [float(np.mean([r["accuracy"] for r in rs if r["round"] == k and r.get("accuracy") is not None]
+                                 or [np.nan])) for k in rounds]
+            out[name] = (rounds, ssim, acc)
+        return out
+
     def _write_plots(self) -> None:
         import matplotlib
 
@@ -310,15 +424,13 @@ class CuriousServer(Observer):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        if len({r["round"] for r in self.rows}) < 2:  # one attacked round: a line per attack would be a dot
+            self._write_single_round_plot(plt, save_figure)
+            return
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
-        for name in self.names:
-            rs = [r for r in self.rows if r["attack"] == name]
-            rounds = sorted({r["round"] for r in rs})
-            a1.plot(rounds, [np.mean([r["ssim"] for r in rs if r["round"] == k]) for k in rounds], marker="o",
-                    label=name)
-            acc = [np.mean([r["accuracy"] for r in rs if r["round"] == k and r.get("accuracy") is not None] or [np.nan])
-                   for k in rounds]
-            a2.plot(acc, [np.mean([r["ssim"] for r in rs if r["round"] == k]) for k in rounds], marker="o", label=name)
+        for name, (rounds, ssim, acc) in self.plot_series().items():
+            a1.plot(rounds, ssim, marker="o", label=name)
+            a2.plot(acc, ssim, marker="o", label=name)
         a1.set_xlabel("round")
         a1.set_ylabel("SSIM of reconstruction")
         a2.set_xlabel("global test accuracy")
@@ -330,27 +442,65 @@ class CuriousServer(Observer):
         save_figure(fig, self.out / "leakage.png")
         plt.close(fig)
 
+    def _write_single_round_plot(self, plt: Any, save_figure: Any) -> None:
+        """One attacked round: SSIM and PSNR of every (attack, victim) as bars, with the mean per attack."""
+        rnd = self.rows[0]["round"]
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
+        width = min(0.8 / max(len(self.names), 1), 0.35)
+        victims = sorted({r["client"] for r in self.rows})
+        for j, name in enumerate(self.names):
+            rs = {r["client"]: r for r in self.rows if r["attack"] == name}
+            xs = [i + j * width for i in range(len(victims))]
+            for ax, key in ((a1, "ssim"), (a2, "psnr")):
+                vals = [rs[v][key] if v in rs and rs[v][key] is not None else np.nan for v in victims]
+                mean = np.nanmean(vals) if np.isfinite(vals).any() else np.nan
+                ax.bar(xs, vals, width, label=f"{name} (mean {mean:.3g})")
+        for ax, key in ((a1, "SSIM of reconstruction"), (a2, "PSNR (dB)")):
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(victims))], [f"client {v}" for v in victims],
+                          fontsize=7)
+            ax.set_ylabel(key)
+            ax.grid(alpha=0.3, axis="y")
+            ax.legend(fontsize=7)
+        a1.set_ylim(-0.1, 1.05)
+        acc = self.rows[0].get("accuracy")
+        fig.suptitle(f"leakage of round {rnd}" + (f" (global accuracy after it: {acc:.3f})" if acc is not None else ""),
+                     fontsize=9)
+        save_figure(fig, self.out / "leakage.png")
+        plt.close(fig)
+
     def report_markdown(self) -> str:
         from fedsim.reports import md_table
 
         if not self.rows:
-            return ""
+            head = [f"The curious server {self.unreadable_note()}.\n"] if self.unreadable else []
+            head += [f"- {w}" for w in self.warnings]
+            return "\n".join(["## Gradient leakage (curious server)\n", *head, ""]) if head else ""
         text = ["## Gradient leakage (curious server)\n",
                 f"Attacks {', '.join(self.names)} on rounds {self.rounds if not self.every else f'every {self.every}'}"
                 f", victims {self.victims}. Reconstructions are matched to the victim's samples by optimal "
                 f"assignment; content success (ASR_c) = share of images with SSIM >= {self.ssim_threshold}"
                 f"{f' and PSNR >= {self.psnr_threshold} dB' if self.psnr_threshold is not None else ''}; "
-                f"label success (ASR_l) = share of labels recovered.\n",
+                f"label success (ASR_l) = share of labels recovered."
+                + (f" Attacker knowledge beyond the update (threat-model ablation): "
+                   f"{', '.join(k.label() for k in self.knowledge)}." if self.knowledge else "") + "\n",
+                *([f"Secure aggregation: {self.aggregate_note()}.\n"] if self.aggregate_note() else []),
+                *(["**Threat model: a malicious server** for " + ", ".join(sorted({r["attack"] for r in self.rows
+                   if r.get("threat_model") == "malicious"})) + ": it changed the model it sent (an imprint "
+                   "block, Robbing the Fed) - not the honest-but-curious server of the other attacks.\n"]
+                  if any(r.get("threat_model") == "malicious" for r in self.rows) else []),
                 "### Per attack (mean over attacked updates)\n",
                 md_table(self.summary_rows(), ["attack", "attacks_run", "psnr", "ssim", "mse", "label_acc",
                                                "success_content", "success_label", "iterations", "seconds"],
                          {"psnr": ".2f", "ssim": ".3f", "mse": ".4g", "label_acc": ".2f", "seconds": ".2f",
                           "iterations": ".0f", "success_content": ".2f", "success_label": ".2f"}),
                 "### Per round and victim\n",
-                md_table(self.rows, ["round", "client", "attack", "batch_size", "psnr", "ssim", "mse", "label_acc",
-                                     "iterations", "seconds", "accuracy"],
+                md_table(self.rows, ["round", "client", *(["aggregate_of"] if self.aggregate_note() else []), "attack",
+                                     "batch_size", "psnr", "ssim", "mse", "label_acc", "iterations", "seconds",
+                                     "accuracy"],
                          {"psnr": ".2f", "ssim": ".3f", "label_acc": ".2f", "seconds": ".2f", "accuracy": ".4f"}),
                 "![leakage](leakage.png)\n"]
         text += [f"![{n}](reconstruction_{n}.png)\n" for n in self.names
                  if any(k.startswith(n + "-") for k in self._images)]
+        if self.warnings:
+            text += ["### Warnings\n", *(f"- {w}" for w in self.warnings), ""]
         return "\n".join(text)

@@ -10,6 +10,15 @@ to the observed one (Geiping et al. 2020, section 5).
 
 Only trainable parameters (``model.named_parameters()``) are matched: BatchNorm running statistics
 also travel in the update but are not gradients.
+
+Beyond plain SGD (``train.momentum``, ``train.weight_decay``, FedProx's ``proximal-mu``; the server
+configures them, so they are in the recipe an attacker reads): with one local step the gradient is
+still recovered exactly (the momentum buffer starts at zero; weight decay adds ``weight_decay * w0``,
+which :func:`update_to_gradient` removes given the global weights; the proximal term is zero at
+``w0``). With several steps, momentum weights step ``k`` of ``K`` by ``(1 - momentum^(K-k+1)) / (1 -
+momentum)``; the pseudo-gradient divides by the sum of these weights instead of ``K`` (the average
+gradient when the gradients are alike), and :func:`simulate_update` replays momentum, weight decay
+and the proximal term exactly.
 """
 from __future__ import annotations
 
@@ -21,6 +30,8 @@ import torch
 from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
+
+from fedsim.protocol import MOMENTUM, PROXIMAL_MU, WEIGHT_DECAY
 
 
 def _recipe_mapping(recipe: Any) -> Mapping[str, Any]:
@@ -46,9 +57,21 @@ def local_step_count(recipe: Any, num_examples: int | None = None) -> int:
     return int(epochs) * math.ceil(int(num_examples) / bs)
 
 
+def effective_steps(recipe: Any, num_examples: int | None = None) -> float:
+    """How many gradients one local round adds up to: ``K`` for plain SGD, ``sum_k (1 - m^k) / (1 - m)``
+    with momentum ``m`` (the weight of the ``k``-th from last gradient)."""
+    r = _recipe_mapping(recipe)
+    steps = local_step_count(r, num_examples)
+    m = float(r.get(MOMENTUM) or 0.0)
+    if not m:
+        return float(steps)
+    return float(sum((1 - m ** k) / (1 - m) for k in range(1, steps + 1)))
+
+
 def update_to_gradient(update: Mapping[str, torch.Tensor], recipe: Any, *,
                        names: Sequence[str] | None = None,
-                       num_examples: int | None = None) -> dict[str, torch.Tensor]:
+                       num_examples: int | None = None,
+                       global_state: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Pseudo-gradient ``-update / (lr * steps)`` for every trainable parameter.
 
     ``update`` maps state-dict names to ``new - old`` weights; ``recipe`` is a
@@ -56,19 +79,26 @@ def update_to_gradient(update: Mapping[str, torch.Tensor], recipe: Any, *,
     (pass the names of ``model.named_parameters()`` to drop buffers); without it, entries that cannot
     be gradients (integer buffers such as ``num_batches_tracked``, ``running_*`` statistics) are
     dropped. For one local step this is the exact gradient; for several it is their average.
+    With momentum the divisor is :func:`effective_steps`; with weight decay ``weight_decay * w0`` is
+    subtracted when ``global_state`` (the weights the client started from) is given.
     """
     r = _recipe_mapping(recipe)
     lr = float(r["lr"])
     if lr <= 0:
         raise ValueError(f"recipe lr must be positive, got {lr}")
-    steps = local_step_count(r, num_examples)
+    steps = effective_steps(r, num_examples)
     if names is None:
         names = [k for k, v in update.items()
                  if v.is_floating_point() and not k.rsplit(".", 1)[-1].startswith(("running_", "num_batches"))]
     missing = [n for n in names if n not in update]
     if missing:
         raise KeyError(f"update lacks parameters {missing}")
-    return {n: -update[n].detach().float() / (lr * steps) for n in names}
+    out = {n: -update[n].detach().float() / (lr * steps) for n in names}
+    wd = float(r.get(WEIGHT_DECAY) or 0.0)
+    if wd and global_state is not None:
+        for n in names:
+            out[n] = out[n] - wd * global_state[n].detach().float().to(out[n].device)
+    return out
 
 
 def trainable_names(model: nn.Module) -> list[str]:
@@ -116,13 +146,15 @@ def cross_entropy(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def simulate_update(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: float,
                     schedule: Sequence[Sequence[int]], *, names: Sequence[str] | None = None,
-                    create_graph: bool = True) -> dict[str, torch.Tensor]:
+                    create_graph: bool = True, momentum: float = 0.0, weight_decay: float = 0.0,
+                    proximal_mu: float = 0.0) -> dict[str, torch.Tensor]:
     """Differentiable replay of local SGD on candidate data; returns ``w_K - w_0`` per parameter.
 
     ``x``/``y`` are the candidate local data (``y`` hard labels or probability rows), ``schedule``
     the index lists of each local step (see :func:`assumed_schedule`). Every trainable parameter is
     stepped; the result holds ``names`` (default: all of them). With ``create_graph`` the result is
-    differentiable with respect to ``x`` (and ``y`` when soft).
+    differentiable with respect to ``x`` (and ``y`` when soft). ``momentum``, ``weight_decay`` and
+    ``proximal_mu`` replay the client's optimiser exactly (``fedsim.training.step_extended``).
     """
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
@@ -130,12 +162,23 @@ def simulate_update(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: floa
     p0 = dict(params)
     cur = {n: p.clone().requires_grad_(True) for n, p in params.items()}
     keys = list(cur)
+    bufs: dict[str, torch.Tensor] = {}
     for idx in schedule:
         ti = torch.as_tensor(list(idx), device=x.device, dtype=torch.long)
         out = functional_call(model, {**cur, **frozen, **buffers}, (x[ti],))
         loss = cross_entropy(out, y[ti])
         grads = torch.autograd.grad(loss, [cur[k] for k in keys], create_graph=create_graph)
-        cur = {k: cur[k] - lr * g for k, g in zip(keys, grads)}
+        if not (momentum or weight_decay or proximal_mu):
+            cur = {k: cur[k] - lr * g for k, g in zip(keys, grads)}
+            continue
+        nxt = {}
+        for k, g in zip(keys, grads):
+            d = g + weight_decay * cur[k] + proximal_mu * (cur[k] - p0[k])
+            if momentum:
+                d = bufs[k] * momentum + d if k in bufs else d
+                bufs[k] = d
+            nxt[k] = cur[k] - lr * d
+        cur = nxt
     names = list(names) if names is not None else keys
     return {n: cur[n] - p0[n] for n in names}
 
@@ -212,6 +255,8 @@ def fedavg_distance(model: nn.Module, x: torch.Tensor, y: torch.Tensor, observed
     lr = float(r["lr"])
     schedule = schedule if schedule is not None else assumed_schedule(len(x), r)
     scale = -1.0 / (lr * len(schedule))
-    sim = simulate_update(model, x, y, lr, schedule, names=names)
+    sim = simulate_update(model, x, y, lr, schedule, names=names, momentum=float(r.get(MOMENTUM) or 0.0),
+                          weight_decay=float(r.get(WEIGHT_DECAY) or 0.0),
+                          proximal_mu=float(r.get(PROXIMAL_MU) or 0.0))
     return gradient_distance([sim[n] * scale for n in names],
                              [observed[n].to(x.device).float() * scale for n in names], metric, weights)

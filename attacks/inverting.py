@@ -20,6 +20,8 @@ from typing import Any, Sequence
 
 import torch
 
+from fedsim import progress
+
 from ._common import (
     INITS,
     RestartLog,
@@ -127,6 +129,7 @@ class InvertingGradients(Attack):
                 best_x, best_loss = x.detach().clone(), value
             if self.threshold is not None and converged_at is None and float(dist.detach()) < self.threshold:
                 converged_at = it
+            progress.tick(it + 1, self.iterations, distance=float(dist.detach()))
             if self.signed:
                 x.grad.sign_()
             opt.step()

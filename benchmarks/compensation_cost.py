@@ -5,7 +5,7 @@ few rounds, without attacks, as three variants - LRP alone, LRP + compensation, 
 with error feedback - and prints, side by side:
 
 * ``round``: median wall time of rounds >= 2 (training, aggregation, evaluation);
-* ``comp``: median time of the strategy's ``finalize_arrays`` (the compensation itself);
+* ``comp``: median time of the mp-compensation transform's ``after_aggregate`` (the compensation itself);
 * ``step``: the time of one batch-1 forward/backward of each variant's final global model over
   ``--steps`` training images, with
   subnormal floats computed as usual and with ``torch.set_flush_denormal(True)`` (flush to zero);
@@ -28,12 +28,12 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-import strategies.fedavg as fedavg
+import strategies.compensation as compensation
+from fedsim.app.runner import run_experiment
+from fedsim.app.sweep import load_sweep
 from fedsim.data.registry import load_dataset
 from fedsim.models import build_model
 from fedsim.reports import read_jsonl
-from fedsim.runner import run_experiment
-from fedsim.sweep import load_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("LRP, no compensation", "LRP + compensation (ours)", "LRP + compensation + feedback")
@@ -66,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     finalize_times: list[float] = []
-    original = fedavg.FedAvg.finalize_arrays
+    original = compensation.MPCompensation.after_aggregate
 
     def timed(self, *a, **kw):
         t = time.perf_counter()
@@ -74,7 +74,7 @@ def main() -> None:
         finalize_times.append(time.perf_counter() - t)
         return out
 
-    fedavg.FedAvg.finalize_arrays = timed
+    compensation.MPCompensation.after_aggregate = timed
     _, variants = load_sweep(ROOT / "experiments" / "table2.toml",
                              [f"federation.rounds={args.rounds}", "attack.rounds=[]"], only=VARIANTS)
     results = []
@@ -85,7 +85,7 @@ def main() -> None:
             run_dir = run_experiment(cfg, out=Path(tmp) / cfg["name"], progress=False)
             rows = read_jsonl(run_dir / "metrics.jsonl")
             round_ms = 1e3 * float(np.median([r["seconds"] for r in rows if r["round"] >= 2]))
-            comp_ms = 1e3 * float(np.median(finalize_times))
+            comp_ms = 1e3 * float(np.median(finalize_times)) if finalize_times else 0.0  # no transform
             results.append((label, round_ms, comp_ms, torch.load(run_dir / "model.pt")))
     # step times: interleaved over the variants, best of the repeats (order and warm-up effects cancel)
     ds = load_dataset("fmnist-small")

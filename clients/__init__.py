@@ -1,4 +1,7 @@
-"""Client-side defenses, composed as a pipeline from the ``[[defenses]]`` entries of a config."""
-from clients.base import DEFENSES, Defense, DefenseContext, DefensePipeline, build_pipeline, register
+"""Client-side plugins: defenses (composed as a pipeline from ``[[defenses]]``) and Flower client mods.
 
-__all__ = ["DEFENSES", "Defense", "DefenseContext", "DefensePipeline", "build_pipeline", "register"]
+Importing this package registers every built-in defense in :data:`fedsim.components.DEFENSES` and
+every Flower mod in :data:`fedsim.components.FLOWER_MODS`. The defense interface itself
+(:class:`fedsim.defense.Defense`) belongs to the core.
+"""
+from clients import clipping, fedkl, flower_mods, lossless, noise, paillier, pruning, secagg, slicing  # noqa: F401

@@ -19,8 +19,9 @@ from opacus.accountants import RDPAccountant
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from clients.base import Defense, DefenseContext, LossFn, register
 from clients.noise import UpdateDefense
+from fedsim.defense import Defense, DefenseContext, LossFn, register
+from fedsim.factories import model_for
 
 
 def per_sample_gradients(module: nn.Module, params: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
@@ -143,6 +144,9 @@ class DPSGD(Defense):
     def _reset_round(self) -> None:
         self._samples, self._clipped, self._norm_sum, self._steps = 0, 0, 0.0, 0
         self._sample_rate = 0.0
+
+    def validate_config(self, cfg) -> None:
+        check_no_batchnorm(model_for(cfg).train())
 
     # -- accountant state in ctx.state
     def _load_accountant(self, ctx: DefenseContext) -> RDPAccountant:

@@ -11,30 +11,15 @@ name           Flower mod                                  parameters
 =============  ==========================================  =========================================
 
 ``local-dp`` clips the client's update (returned - received weights) to ``clipping_norm`` and adds
-Laplace noise of scale ``sensitivity / epsilon`` (Flower's local DP). Flower's server-side DP
+Gaussian noise of standard deviation ``sensitivity * sqrt(2 ln(1.25 / delta)) / epsilon`` to the
+returned model (Flower 1.41's LocalDpMod). Flower's server-side DP
 wrappers (``DifferentialPrivacy*``) wrap a strategy; fedsim's ``clip-update`` + ``gaussian-noise``
 defenses cover fixed clipping with noise inside the defense pipeline.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
-
 from flwr.clientapp.mod import LocalDpMod
 
-from clients.base import build_entries
+from fedsim.components import FLOWER_MODS
 
-FLOWER_MODS: dict[str, type] = {"local-dp": LocalDpMod}
-
-Handler = Callable[[Any, Any], Any]
-
-
-def build_flower_mods(entries: Sequence[Mapping[str, Any]]) -> list[Callable]:
-    """Instantiate ``[[client.flower_mods]]`` entries; errors name ``client.flower_mods[i].key``."""
-    return build_entries(entries, FLOWER_MODS, "client.flower_mods")
-
-
-def wrap(handler: Handler, mods: Sequence[Callable]) -> Handler:
-    """``handler`` wrapped by Flower mods (``mod(msg, context, call_next)``), first mod outermost."""
-    for mod in reversed(list(mods)):
-        handler = (lambda m, nxt: lambda msg, ctx: m(msg, ctx, nxt))(mod, handler)
-    return handler
+FLOWER_MODS.add("local-dp", LocalDpMod)

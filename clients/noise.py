@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from clients.base import Defense, DefenseContext, register
+from fedsim.defense import Defense, DefenseContext, register
 
 # --------------------------------------------------------------------------- shared helpers
 
@@ -102,7 +102,7 @@ class _AdditiveNoise(UpdateDefense):
         return self.std ** 2
 
     def metrics(self) -> dict[str, float]:
-        return {"noise_std": self.std, "noise_variance": self.std ** 2,
+        return {"noise_std": self.std,
                 "empirical_std": getattr(self, "_empirical_std", 0.0),
                 "noised_entries": float(getattr(self, "_count", 0))}
 

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from clients.base import Defense, DefenseContext, register
 from clients.noise import UpdateDefense, check_fraction
+from fedsim.defense import Defense, DefenseContext, register
 
 SCOPES = ("global", "layer")
 

@@ -58,8 +58,8 @@ from torch import nn
 from torch.func import functional_call, grad, jvp, vmap
 from torch.nn import functional as F
 
-from clients.base import Defense, DefenseContext, LossFn, register
 from clients.clipping import clip_per_sample, per_sample_gradients
+from fedsim.defense import Defense, DefenseContext, LossFn, register
 
 RISK_METHODS = ("exact", "randomized", "auto")
 AUTO_EXACT_BUDGET = 4096  # max (samples x input size) Jacobian-vector products for method="auto"
@@ -594,9 +594,6 @@ class LocalRandomPerturbation(Defense):
                                "fraction_perturbed": float(self._fraction or 0.0),
                                "noise_std": float(getattr(self, "_std", 0.0) or 0.0),
                                "plan_round": float(self._plan_round)}
-        nv = self.noise_variance()
-        if nv is not None:
-            m["noise_variance"] = float(nv)
         if self.plan is not None:
             m["plan_digest"] = float(int(self.plan.digest()[:12], 16))  # 48 bits: exact in a float64
             risk = self.plan.slice_risk

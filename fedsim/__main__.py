@@ -1,5 +1,6 @@
+"""``python -m fedsim``: the command line (part of the composition root)."""
 import sys
 
-from fedsim.cli import main
+from fedsim.app.cli import main
 
 sys.exit(main())

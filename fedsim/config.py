@@ -1,22 +1,33 @@
 """Experiment configuration: TOML files, ``--set section.key=value`` overrides, validation.
 
 A config is a nested dict. :data:`SCHEMA` lists every fixed key with its type, default and allowed
-values; open sections (``strategy`` parameters, ``attack``, ``[[defenses]]``) are checked by the
-component that owns them (``validate`` calls them). Every bad value raises :class:`ConfigError`
-naming the key and what is allowed, before anything is written.
+values. The component sections - ``[strategy]`` (aggregation rule), ``[channel]``, ``[[transforms]]``,
+``[[defenses]]``, ``[[client.flower_mods]]``, ``output.observers``, ``[attack]`` (the curious
+server) - are checked by one mechanism, :mod:`fedsim.components`, against the parameters each
+component declares. Every bad value raises :class:`ConfigError` naming the key and what is allowed,
+before anything is written. Validation needs the plugins registered: load configs through
+``fedsim.app.load_config`` (the composition root), which imports them first.
 """
 from __future__ import annotations
 
 import copy
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import tomllib
 
-
-class ConfigError(ValueError):
-    """A config value is missing, unknown or out of range; the message names the key."""
+from fedsim.components import (
+    CHANNELS,
+    DEFENSES,
+    FLOWER_MODS,
+    OBSERVERS,
+    STRATEGIES,
+    TRANSFORMS,
+    ConfigError,
+)
 
 
 @dataclass(frozen=True)
@@ -39,18 +50,6 @@ def _datasets() -> list[str]:
     return sorted(DATASETS)
 
 
-def _models() -> list[str]:
-    from fedsim.models import MODELS
-
-    return list(MODELS)
-
-
-def _strategies() -> list[str]:
-    from strategies import STRATEGIES
-
-    return sorted(STRATEGIES)
-
-
 NUM = (int, float)
 
 SCHEMA: dict[str, Field] = {
@@ -60,37 +59,66 @@ SCHEMA: dict[str, Field] = {
     "federation.rounds": Field(int, 5, min=1),
     "federation.num_clients": Field(int, 10, min=1),
     "federation.clients_per_round": Field(int, 0, min=0, help="0 = all clients every round"),
-    "data.dataset": Field(str, "fmnist-small", choices=_datasets),
-    "data.partition": Field(str, "iid", choices=("iid", "dirichlet", "pathological")),
+    "data.dataset": Field(str, "fmnist-small", help="a built-in dataset, or your own: a registered name or an "
+                          "import reference 'module:function' / 'path/file.py:function' (docs/plugins.md)"),
+    "data.params": Field(dict, {}, help="keyword parameters of your own dataset function"),
+    "data.partition": Field(str, "iid", choices=("iid", "dirichlet", "pathological", "natural"),
+                            help="natural: one source per client (datasets with sources, e.g. synthetic-2d)"),
     "data.alpha": Field(NUM, 0.5, min=1e-6, help="Dirichlet concentration"),
     "data.classes_per_client": Field(int, 2, min=1, help="pathological: classes per client"),
     "data.min_per_class": Field(int, 10, min=1, help="pathological: fewest samples per class"),
     "data.max_per_class": Field(int, 50, min=1, help="pathological: most samples per class"),
     "data.root_size": Field(int, 100, min=1, help="public root split held out from client data"),
+    "data.val_fraction": Field(NUM, 0.0, min=0.0, max=0.9, help="share of each client's data held out as its "
+                               "local validation split (FedBoosting's cross-validation); 0 = none"),
     "data.data_dir": Field(str, None, nullable=True, help="folder with dataset files"),
     "data.download": Field(bool, False, help="let torchvision download (needs internet)"),
-    "model.name": Field(str, "lenet", choices=_models),
+    "model.name": Field(str, "lenet", help="a built-in model, or your own: a registered name or an import "
+                        "reference 'module:Class' / 'path/file.py:build' (docs/plugins.md)"),
+    "model.params": Field(dict, {}, help="keyword parameters of your own model"),
     "model.activation": Field(str, None, nullable=True, choices=("sigmoid", "tanh", "relu", "leakyrelu")),
     "model.norm": Field(str, None, nullable=True, choices=("none", "batch")),
     "model.init": Field(str, "default", choices=("default", "uniform")),
     "model.width": Field(int, None, nullable=True, min=1),
     "model.hidden": Field(list, None, nullable=True),
+    "model.imprint_bins": Field(int, 0, min=0, help="MALICIOUS-server scenario (Robbing the Fed): an imprint "
+                                "block of this many bins in front of the model (0 = none); see [[transforms]] "
+                                "robbing-imprint"),
     "train.lr": Field(NUM, 0.1, min=1e-12),
     "train.batch_size": Field(int, 32, min=1),
     "train.local_steps": Field(int, None, nullable=True, min=1, help="SGD steps per round (FedSGD: 1)"),
     "train.local_epochs": Field(int, None, nullable=True, min=1, help="local passes over the data"),
-    "strategy.name": Field(str, "fedavg", choices=_strategies),
+    "train.loss": Field(str, "cross-entropy", choices=("cross-entropy", "mse"),
+                        help="local training loss (mse: on one-hot targets)"),
+    "train.momentum": Field(NUM, 0.0, min=0.0, help="local SGD momentum in [0, 1) (0: plain SGD)"),
+    "train.weight_decay": Field(NUM, 0.0, min=0.0, help="local L2 weight decay"),
+    "train.lr_schedule": Field(str, "constant", choices=("constant", "step", "exponential", "cosine"),
+                               help="the clients' learning rate over rounds"),
+    "train.lr_gamma": Field(NUM, 0.5, min=1e-12, max=1.0, help="step/exponential: factor per step/round"),
+    "train.lr_step_rounds": Field(int, 10, min=1, help="step: rounds between two decays"),
+    "train.lr_min": Field(NUM, 0.0, min=0.0, help="cosine: the rate in the last round"),
+    "evaluate.client_fraction": Field(NUM, 0.0, min=0.0, max=1.0,
+                                      help="client-side evaluation: share of the clients that evaluate the "
+                                      "global model on their own data after every round (0: off)"),
+    "strategy.name": Field(str, "fedavg", help="aggregation rule (+ its parameters in [strategy])"),
+    "channel.name": Field(str, "plain", help="how models travel (+ its parameters in [channel])"),
     "simulation.backend": Field(str, "ray", choices=("ray", "inprocess"),
                                 help="ray: Flower's simulation engine; inprocess: in-process grid (tests)"),
     "simulation.num_cpus": Field(int, 1, min=1, help="CPUs per client actor"),
+    "simulation.clients_per_node": Field(int, 1, min=1, help="virtual clients (partitions) each simulated "
+                                         "node serves; >1 cuts Flower's per-message cost at scale"),
     "simulation.num_gpus": Field(NUM, 0.0, min=0.0, help="GPUs per client actor (fractions allowed)"),
     "simulation.ray_address": Field(str, None, nullable=True, help="join an existing Ray cluster"),
+    "simulation.threads": Field(int, 1, min=0, help="torch threads of the fedsim process (server, attacks, "
+                                "in-process clients); 0 = torch's default (all cores)"),
     "client.flower_mods": Field(list, [], help="Flower client mods wrapping local training, e.g. local-dp"),
     "output.dir": Field(str, "runs", help="parent folder of run folders"),
     "output.observers": Field(list, ["update-norms"], help="observers at the interception point"),
+    "output.checkpoint": Field(bool, True, help="write checkpoint.npz after every round (resume with --resume)"),
 }
-OPEN_SECTIONS = ("strategy", "attack")  # extra keys checked by their owners
-LIST_SECTIONS = ("defenses",)
+OPEN_SECTIONS = ("strategy", "channel", "attack")  # parameters checked by their component
+LIST_SECTIONS = ("defenses", "transforms")
+CURIOUS_SERVER = "curious-server"  # the observer the [attack] section configures
 
 
 def defaults() -> dict[str, Any]:
@@ -98,6 +126,7 @@ def defaults() -> dict[str, Any]:
     for key, f in SCHEMA.items():
         _set(cfg, key, copy.deepcopy(f.default))
     cfg["defenses"] = []
+    cfg["transforms"] = []
     return cfg
 
 
@@ -116,7 +145,8 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and key.split(".")[0] not in ("attack",):
+        table = key in SCHEMA and SCHEMA[key].type is dict  # a parameter table (model.params): one value
+        if isinstance(v, Mapping) and key.split(".")[0] not in ("attack",) and not table:
             out.update(_flatten(v, key + "."))
         else:
             out[key] = v
@@ -147,33 +177,44 @@ def apply_overrides(cfg: dict, overrides: Sequence[str]) -> None:
         key = key.strip()
         if not key or key.startswith(".") or key.endswith("."):
             raise ConfigError(f"--set expects section.key=value, got {item!r}")
-        if key.startswith("defenses"):
-            _set_defense(cfg, key, parse_value(text.strip()))
+        if key.split(".")[0] in LIST_SECTIONS:
+            _set_list_entry(cfg, key, parse_value(text.strip()))
         else:
             _set(cfg, key, parse_value(text.strip()))
 
 
-def _set_defense(cfg: dict, key: str, value: Any) -> None:
-    # defenses.0.sigma=0.1  or defenses=[{name="prune", ratio=0.9}]
-    parts = key.split(".")
-    if len(parts) == 1:
-        cfg["defenses"] = value
+def _set_list_entry(cfg: dict, key: str, value: Any) -> None:
+    # defenses.0.sigma=0.1  or defenses=[{name="prune", ratio=0.9}]  (also transforms)
+    section, *parts = key.split(".")
+    if not parts:
+        cfg[section] = value
         return
     try:
-        i = int(parts[1])
-        cfg["defenses"][i][".".join(parts[2:])] = value
-    except (ValueError, IndexError, TypeError):
-        raise ConfigError(f"--set {key}: use defenses.<index>.<param> with an existing index "
-                          f"(there are {len(cfg.get('defenses', []))} defenses)") from None
+        i = int(parts[0])
+        cfg[section][i][".".join(parts[1:])] = value
+    except (ValueError, IndexError, TypeError, KeyError):
+        raise ConfigError(f"--set {key}: use {section}.<index>.<param> with an existing index "
+                          f"(there are {len(cfg.get(section) or [])} {section})") from None
 
 
 def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
-    """Parse a TOML file; a missing or malformed file is a ConfigError naming it."""
+    """Parse a TOML file; a missing, unreadable, non-UTF-8 or malformed file is a ConfigError naming it."""
     p = Path(path)
-    if not p.is_file():
+    if p.is_dir():
+        raise ConfigError(f"{what} {str(p)!r} is a folder, not a file")
+    if not p.exists():
         raise ConfigError(f"{what} {str(p)!r} does not exist")
     try:
-        return tomllib.loads(p.read_text())
+        data = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(p)!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{what} {str(p)!r} is not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+                          f"{exc.start}); TOML files must be UTF-8") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{what} {str(p)!r} is not valid TOML: {exc}") from exc
 
@@ -184,6 +225,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     if path is not None:
         _merge(cfg, read_toml(path))
     apply_overrides(cfg, overrides)
+    absolute_references(cfg)
     validate(cfg)
     return cfg
 
@@ -200,6 +242,8 @@ def _check_field(key: str, f: Field, v: Any) -> None:
     choices = f.allowed()
     if choices is not None and v not in choices:
         raise ConfigError(f"{key} must be one of {list(choices)}, got {v!r}")
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ConfigError(f"{key} must be a finite number, got {v!r}")
     if f.min is not None and v < f.min:
         raise ConfigError(f"{key} must be >= {f.min}, got {v!r}")
     if f.max is not None and v > f.max:
@@ -207,7 +251,8 @@ def _check_field(key: str, f: Field, v: Any) -> None:
 
 
 def _typename(t: type | tuple[type, ...]) -> str:
-    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list"}
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list",
+             dict: "a table"}
     if isinstance(t, tuple):
         return "a number" if set(t) == {int, float} else " or ".join(names.get(x, x.__name__) for x in t)
     return names.get(t, t.__name__)
@@ -243,10 +288,20 @@ def validate(cfg: dict[str, Any]) -> None:
     if data["min_per_class"] > data["max_per_class"]:
         raise ConfigError(f"data.min_per_class ({data['min_per_class']}) must be <= data.max_per_class "
                           f"({data['max_per_class']})")
+    if data["partition"] == "natural":
+        from fedsim.data import DATASETS
+
+        if not DATASETS[data["dataset"]].sources:
+            raise ConfigError(f"data.partition = 'natural' needs a dataset with natural sources "
+                              f"({sorted(n for n, e in DATASETS.items() if e.sources)}), got {data['dataset']!r}")
     if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
         raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
-    if not isinstance(cfg.get("defenses", []), list) or not all(isinstance(d, dict) for d in cfg["defenses"]):
-        raise ConfigError("defenses must be a list of tables ([[defenses]] with name = ...)")
+    if not train["momentum"] < 1:
+        raise ConfigError(f"train.momentum must be in [0, 1), got {train['momentum']!r}")
+    check_model_and_data(cfg)
+    for section in LIST_SECTIONS:
+        if not isinstance(cfg.get(section, []), list) or not all(isinstance(d, dict) for d in cfg.get(section, [])):
+            raise ConfigError(f"{section} must be a list of tables ([[{section}]] with name = ...)")
     if cfg["device"] != "auto":
         from fedsim.training import resolve_device
 
@@ -254,31 +309,195 @@ def validate(cfg: dict[str, Any]) -> None:
             resolve_device(cfg["device"])
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"device: {exc}") from exc
-    from clients.base import build_pipeline
+    _check_simulation(cfg["simulation"])
+    build_components(cfg)
+    check_data(cfg, require_available=False)
+
+
+def _check_simulation(sim: Mapping[str, Any]) -> None:
+    """Resources a local Ray cluster can never give (Flower's engine would stall waiting for clients)."""
+    if sim["backend"] != "ray" or sim.get("ray_address"):
+        return
+    cpus = os.cpu_count() or 1
+    if sim["num_cpus"] > cpus:
+        raise ConfigError(f"simulation.num_cpus = {sim['num_cpus']} is more than this machine's {cpus} CPUs: "
+                          "no client actor could start")
+    if sim["num_gpus"] > 0:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} but this machine has no GPU "
+                              "(CUDA is not available): no client actor could start")
+        if sim["num_gpus"] > torch.cuda.device_count():
+            raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} is more than this machine's "
+                              f"{torch.cuda.device_count()} GPUs")
+
+
+def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
+    """Everything the run needs from its data, checked now rather than inside every client: the dataset
+    loads (its files are present and intact), the public root split fits, and the client partition can
+    be drawn (``data.classes_per_client``, ``data.alpha``, ``data.max_per_class``,
+    ``federation.num_clients`` against the training set). The partition computed here is cached for the
+    run. Raises ConfigError naming the key, or DatasetUnavailable (only with ``require_available``:
+    validation alone tolerates a dataset that is missing here, since the runner reports it before
+    anything is written)."""
+    from fedsim.data import DatasetUnavailable
+    from fedsim.factories import dataset_for, partitions_for
 
     try:
-        build_pipeline(cfg["defenses"])
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    from clients.flower_mods import build_flower_mods
-
+        ds = dataset_for(cfg)
+    except DatasetUnavailable:
+        if require_available:
+            raise
+        return
+    except ValueError as exc:  # root_size and other dataset parameters
+        raise ConfigError(str(exc)) from None
     try:
-        build_flower_mods(cfg["client"]["flower_mods"])
+        parts = partitions_for(cfg)
     except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-    from strategies import validate_strategy
+        raise ConfigError(str(exc)) from None
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise ConfigError(f"data.partition = {cfg['data']['partition']!r} leaves clients {empty[:5]} without "
+                          f"samples ({len(ds.y_train)} training samples, federation.num_clients = "
+                          f"{cfg['federation']['num_clients']})")
 
+
+def check_model_and_data(cfg: Mapping[str, Any]) -> None:
+    """``model.name`` / ``data.dataset``: a built-in name, or a user's own model / dataset (a name
+    registered in :data:`fedsim.components.MODELS` / ``DATASETS`` or an import reference), whose
+    ``params`` are checked against the keyword parameters it declares - the same mechanism, and the
+    same messages, as every other component."""
+    from fedsim.components import DATASETS as DATA_PLUGINS
+    from fedsim.components import MODELS as MODEL_PLUGINS
+    from fedsim.models import BUILTIN_ONLY, MODELS
+
+    m, d = cfg["model"], cfg["data"]
+    if m["name"] in MODELS:
+        if m.get("params"):
+            raise ConfigError(f"model.params is for your own model; the built-in {m['name']!r} takes "
+                              f"{list(BUILTIN_ONLY)} in [model]")
+    else:
+        if m["name"] not in MODEL_PLUGINS:
+            raise ConfigError(f"model.name must be one of {sorted(set(MODELS) | set(MODEL_PLUGINS.names()))} or "
+                              f"an import reference ('module:attribute' or 'path/file.py:attribute'), got {m['name']!r}")
+        builder = MODEL_PLUGINS.lookup(m["name"], "model.name")
+        MODEL_PLUGINS.check_params(builder, m["name"], m.get("params") or {}, "model.params")
+        given = [k for k in BUILTIN_ONLY if m.get(k) is not None]
+        if given:
+            raise ConfigError(f"model.{given[0]} applies to the built-in models only; give your model's own "
+                              f"parameters in model.params")
+    builtin = _datasets()
+    if d["dataset"] in builtin:
+        if d.get("params"):
+            raise ConfigError(f"data.params is for your own dataset; the built-in {d['dataset']!r} takes none")
+    else:
+        if d["dataset"] not in DATA_PLUGINS:
+            raise ConfigError(f"data.dataset must be one of {sorted(set(builtin) | set(DATA_PLUGINS.names()))} or "
+                              f"an import reference ('module:attribute' or 'path/file.py:attribute'), got "
+                              f"{d['dataset']!r}")
+        loader = DATA_PLUGINS.lookup(d["dataset"], "data.dataset")
+        DATA_PLUGINS.check_params(loader, d["dataset"], d.get("params") or {}, "data.params")
+
+
+def absolute_references(cfg: dict[str, Any], base: str | None = None) -> None:
+    """Make every plugin file reference in ``cfg`` absolute (relative paths are taken from ``base``,
+    default the working directory), so that processes started elsewhere (Ray workers, ``flwr run``'s
+    ServerApp) import the same files. Called by :func:`load_config` before validation."""
+    from fedsim.components import absolute_reference as ab
+
+    for section, key in (("model", "name"), ("data", "dataset"), ("strategy", "name"), ("channel", "name")):
+        if isinstance(cfg.get(section), dict) and isinstance(cfg[section].get(key), str):
+            cfg[section][key] = ab(cfg[section][key], base)
+    client = cfg.get("client")
+    lists = [cfg.get(section) for section in LIST_SECTIONS]
+    lists.append(client.get("flower_mods") if isinstance(client, dict) else None)
+    for entries in lists:  # malformed sections are left for validate() to report
+        for e in entries if isinstance(entries, list) else []:
+            if isinstance(e, dict) and "name" in e:
+                e["name"] = ab(e["name"], base)
+    obs = cfg["output"].get("observers") if isinstance(cfg.get("output"), dict) else None
+    if isinstance(obs, list):
+        cfg["output"]["observers"] = [ab(o, base) if isinstance(o, str) else
+                                      ({**o, "name": ab(o["name"], base)} if isinstance(o, dict) and "name" in o else o)
+                                      for o in obs]
+    att = cfg.get("attack")
+    if isinstance(att, dict) and "name" in att:
+        att["name"] = [ab(n, base) for n in att["name"]] if isinstance(att["name"], list) else ab(att["name"], base)
+        params = att.get("params")
+        if isinstance(params, dict):
+            att["params"] = {ab(k, base): v for k, v in params.items()}
+
+
+# keys that moved to another section: the error says where
+MOVED = {
+    "compensation": 'seed 000\'s compensation is a server transform now: [[transforms]] name = "mp-compensation"',
+    "compensation_feedback": 'use [[transforms]] name = "mp-compensation" with feedback = true',
+    "compensation_mode": 'use [[transforms]] name = "mp-compensation" with mode = ...',
+    "Q": 'use [[transforms]] name = "mp-compensation" with Q = ...',
+}
+
+
+def client_pipeline(cfg: Mapping[str, Any], transforms: Sequence[Any] | None = None) -> Any:
+    """The clients' defense pipeline: what the server transforms require of every client, then
+    ``[[defenses]]`` in order."""
+    from fedsim.defense import DefensePipeline
+
+    if transforms is None:
+        transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
+    required = [e for t in transforms for e in t.client_defenses()]
     try:
-        validate_strategy(cfg)
+        return DefensePipeline(DEFENSES.build_list(required, "defenses required by the transforms", cfg=cfg)
+                               + DEFENSES.build_list(cfg.get("defenses", []), "defenses", cfg=cfg))
+    except ConfigError:
+        raise
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
-    if "attack" in cfg:
-        from attacks.curious import validate_attack_section
 
+
+def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate every component section through its registry and build the components (one mechanism).
+
+    Returns ``rule``, ``channel``, ``transforms``, ``defenses``, ``flower_mods``, ``observers`` (the
+    curious server last, when ``[attack]`` is set). Raises :class:`ConfigError` naming the key.
+    """
+    from fedsim.seams import check_compatible
+
+    strategy = dict(cfg["strategy"])
+    for k in strategy:
+        if k in MOVED:
+            raise ConfigError(f"strategy.{k} moved: {MOVED[k]}")
+    rule = STRATEGIES.build(strategy, "strategy")
+    channel = CHANNELS.build(dict(cfg.get("channel") or {"name": "plain"}), "channel")
+    transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
+    check_compatible(type(channel), type(rule),
+                     [(f"transforms[{i}]", type(t)) for i, t in enumerate(transforms)])
+    for where, component in [("strategy", rule), ("channel", channel),
+                             *((f"transforms[{i}]", t) for i, t in enumerate(transforms))]:
         try:
-            validate_attack_section(cfg)
+            component.validate_config(cfg)  # checks that need the rest of the config
+        except ConfigError:
+            raise
         except ValueError as exc:
-            raise ConfigError(str(exc)) from exc
+            raise ConfigError(f"{where} ({component.name}): {exc}") from exc
+    defenses = client_pipeline(cfg, transforms)
+    for i, d in enumerate(defenses.defenses):
+        try:
+            d.validate_config(cfg)
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"defenses[{i}] ({d.name}): {exc}") from exc
+    mods = FLOWER_MODS.build_list(cfg["client"]["flower_mods"], "client.flower_mods")
+    observers = OBSERVERS.build_list(cfg["output"]["observers"], "output.observers", cfg=cfg)
+    implied = [e for d in defenses.defenses for e in d.server_observers()]
+    observers += OBSERVERS.build_list(implied, "observers implied by the defenses", cfg=cfg)
+    if cfg.get("attack"):  # [attack] configures the curious server (validated even when enabled = false)
+        curious = OBSERVERS.build_named(CURIOUS_SERVER, cfg["attack"], "attack", cfg=cfg)
+        if cfg["attack"].get("enabled", True) is not False:
+            observers.append(curious)
+    return {"rule": rule, "channel": channel, "transforms": transforms, "defenses": defenses,
+            "flower_mods": mods, "observers": observers}
 
 
 def dump_toml(cfg: Mapping[str, Any]) -> str:

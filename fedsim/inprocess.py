@@ -7,17 +7,32 @@ replies, as in Flower's engine.
 """
 from __future__ import annotations
 
-import copy
 import secrets
 import traceback
 import uuid
 from typing import Iterable
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
+
+from fedsim.protocol import NODE_NUM_PARTITIONS, NODE_PARTITION_ID
+
+
+def delivered_copy(content: RecordDict) -> RecordDict:
+    """What a transport would deliver: new records (a client cannot change the server's), sharing only
+    the immutable serialised arrays (``Array.data`` is ``bytes``) instead of deep-copying them."""
+    out = RecordDict()
+    for key, rec in content.items():
+        if isinstance(rec, ArrayRecord):
+            out[key] = ArrayRecord(dict(rec.items()))
+        elif isinstance(rec, (ConfigRecord, MetricRecord)):
+            out[key] = type(rec)({k: list(v) if isinstance(v, list) else v for k, v in rec.items()})
+        else:  # pragma: no cover - every record type is handled above
+            raise TypeError(f"cannot deliver a {type(rec).__name__}")
+    return out
 
 
 class InProcessGrid(Grid):
@@ -30,7 +45,7 @@ class InProcessGrid(Grid):
             ids.add(secrets.randbits(62) + 1)
         self.nodes = {nid: pid for pid, nid in enumerate(sorted(ids, key=lambda _: secrets.randbits(32)))}
         self.contexts = {nid: Context(run_id=run_id, node_id=nid,
-                                      node_config={"partition-id": pid, "num-partitions": num_nodes},
+                                      node_config={NODE_PARTITION_ID: pid, NODE_NUM_PARTITIONS: num_nodes},
                                       state=RecordDict(), run_config={}) for nid, pid in self.nodes.items()}
         self._replies: dict[str, Message] = {}
         self._run = None
@@ -56,7 +71,7 @@ class InProcessGrid(Grid):
         for msg in messages:
             mid = uuid.uuid4().hex
             # a copy, as a real transport would deliver: the server's records are never shared with a client
-            msg = Message(copy.deepcopy(msg.content), dst_node_id=msg.metadata.dst_node_id,
+            msg = Message(delivered_copy(msg.content), dst_node_id=msg.metadata.dst_node_id,
                           message_type=msg.metadata.message_type, group_id=msg.metadata.group_id)
             msg.metadata.__dict__["_message_id"] = mid
             self.messages_sent.append(msg)

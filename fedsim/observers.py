@@ -9,12 +9,13 @@ copy) but cannot change what gets aggregated. Observers run in the server proces
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from fedsim.components import OBSERVERS
 
 
 def _frozen(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -26,27 +27,73 @@ def _frozen(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
 class ClientUpdate:
-    """One client's reply as the (honest-but-curious) server sees it."""
+    """One client's reply as the (honest-but-curious) server sees it - through the channel.
 
-    round: int
-    client_id: int  # partition id
-    node_id: int
-    global_weights: tuple[np.ndarray, ...]  # what the server sent this client
-    weights: tuple[np.ndarray, ...]  # what the client returned, before aggregation
-    num_examples: int
-    recipe: Mapping[str, Any]  # local training recipe the server configured (lr, local_steps, batch_size, ...)
-    metrics: Mapping[str, Any] = field(default_factory=dict)
-    param_names: tuple[str, ...] = ()
+    ``kind`` says what the channel lets the server see: ``"individual"`` (the client's model in
+    plaintext: ``weights``), ``"ciphertext"`` (only an encrypted ``payload``; ``weights`` is empty) or
+    ``"aggregate"`` (secure aggregation: ``weights`` is the aggregate of ``contributors``).
+    Arrays are read-only and decoded on first access (observers that do not look cost nothing).
+    ``extras`` are the extra arrays the client's defenses sent with the reply (record ``EXTRAS``), by name.
+    """
+
+    __slots__ = ("round", "client_id", "node_id", "num_examples", "recipe", "metrics", "param_names", "kind",
+                 "payload", "contributors", "_global", "_weights", "_extras")
+
+    def __init__(self, *, round: int, client_id: int, node_id: int, global_weights: Any = (),
+                 weights: Any = (), num_examples: int, recipe: Mapping[str, Any],
+                 metrics: Mapping[str, Any] | None = None, param_names: Sequence[str] = (),
+                 kind: str = "individual", payload: Any = None, contributors: Sequence[int] = (),
+                 extras: Any = None):
+        set_ = object.__setattr__
+        set_(self, "round", int(round))
+        set_(self, "client_id", int(client_id))
+        set_(self, "node_id", int(node_id))
+        set_(self, "num_examples", int(num_examples))
+        set_(self, "recipe", MappingProxyType(dict(recipe)))
+        set_(self, "metrics", MappingProxyType(dict(metrics or {})))
+        set_(self, "param_names", tuple(param_names))
+        set_(self, "kind", kind)
+        set_(self, "payload", payload)
+        set_(self, "contributors", tuple(contributors))
+        set_(self, "_global", global_weights)
+        set_(self, "_weights", weights)
+        set_(self, "_extras", extras)
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        raise AttributeError(f"ClientUpdate is read-only (cannot set {key!r})")
+
+    def _resolve(self, slot: str) -> tuple[np.ndarray, ...]:
+        v = object.__getattribute__(self, slot)
+        if not isinstance(v, tuple) or (v and v[0].flags.writeable):
+            v = _frozen(v() if callable(v) else v)
+            object.__setattr__(self, slot, v)
+        return v
+
+    @property
+    def global_weights(self) -> tuple[np.ndarray, ...]:
+        """What the server sent this client (empty when the server cannot read the model)."""
+        return self._resolve("_global")
+
+    @property
+    def weights(self) -> tuple[np.ndarray, ...]:
+        """What the client returned, before aggregation (empty for ``kind = "ciphertext"``)."""
+        return self._resolve("_weights")
+
+    @property
+    def extras(self) -> Mapping[str, np.ndarray]:
+        """The reply's extra arrays by name (read-only; empty when the client sent none)."""
+        v = object.__getattribute__(self, "_extras")
+        if not isinstance(v, MappingProxyType):
+            v = v() if callable(v) else (v or {})
+            names = list(v)
+            v = MappingProxyType(dict(zip(names, _frozen([v[n] for n in names]))))
+            object.__setattr__(self, "_extras", v)
+        return v
 
     @classmethod
-    def create(cls, *, round: int, client_id: int, node_id: int, global_weights, weights, num_examples: int,
-               recipe: Mapping[str, Any], metrics: Mapping[str, Any] | None = None,
-               param_names: Sequence[str] = ()) -> "ClientUpdate":
-        return cls(round, int(client_id), int(node_id), _frozen(global_weights), _frozen(weights),
-                   int(num_examples), MappingProxyType(dict(recipe)), MappingProxyType(dict(metrics or {})),
-                   tuple(param_names))
+    def create(cls, **kw: Any) -> "ClientUpdate":
+        return cls(**kw)
 
     def delta(self) -> list[np.ndarray]:
         """The update: returned weights minus the global weights it started from (fresh arrays)."""
@@ -54,13 +101,24 @@ class ClientUpdate:
 
 
 class Observer:
-    """Base class: override what you need. Called in the server process, in round order."""
+    """Base class: override what you need. Called in the server process, in round order.
+
+    Observers are plugins: register a subclass in :data:`fedsim.components.OBSERVERS` (with a ``name``)
+    and list it in ``output.observers``."""
+
+    name: str = ""
 
     def on_start(self, out_dir: Path | None) -> None:  # before round 1
         pass
 
     def observe(self, update: ClientUpdate) -> None:  # every reply, every round, before aggregation
         pass
+
+    def on_global_model(self, round: int, arrays: Sequence[np.ndarray] | None) -> Mapping[str, Any]:
+        """The global model at the end of a round (round 0: the initial model), or None when the server
+        cannot read it (encrypted channels). Called after central evaluation, before ``on_round_end``;
+        the items returned are added to the round's metrics row (prefix them with the observer's name)."""
+        return {}
 
     def on_round_end(self, round: int, metrics: Mapping[str, Any]) -> None:  # after central evaluation
         pass
@@ -71,27 +129,69 @@ class Observer:
     def report_markdown(self) -> str:  # a section appended to report.md
         return ""
 
+    def state(self) -> dict[str, Any] | None:
+        """What the observer has gathered so far, for the run's checkpoint (arrays, numbers, strings,
+        lists, dicts), or None (the default): the observer cannot be checkpointed, and a run that uses it
+        writes no checkpoint. Observers that keep nothing across rounds return ``{}``."""
+        return None
 
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state` when a run resumes (called after ``on_start``, so the observer knows
+        its folder and may bring its files back to the checkpointed round)."""
+
+
+OBSERVERS.base = Observer  # an import reference in output.observers must name an Observer
+
+
+@OBSERVERS.register
 class UpdateNormObserver(Observer):
-    """Writes the L2 norm of every client's update to ``updates.jsonl`` (proves the seam)."""
+    """Writes the L2 norm of every client's update to ``updates.jsonl`` (proves the seam).
+
+    Under an encrypted channel there is nothing to measure: the row says ``"ciphertext"``."""
+
+    name = "update-norms"
 
     def __init__(self) -> None:
         self.rows: list[dict[str, Any]] = []
         self.path: Path | None = None
+        self._written = 0
 
     def on_start(self, out_dir: Path | None) -> None:
         self.path = out_dir / "updates.jsonl" if out_dir else None
 
     def observe(self, update: ClientUpdate) -> None:
-        norm = float(np.sqrt(sum(float(np.sum(d.astype(np.float64) ** 2)) for d in update.delta())))
-        self.rows.append({"round": update.round, "client": update.client_id, "num_examples": update.num_examples,
-                          "update_norm": norm})
+        row: dict[str, Any] = {"round": update.round, "client": update.client_id,
+                               "num_examples": update.num_examples, "kind": update.kind}
+        if update.contributors:  # secure aggregation: one row for the round's aggregate
+            row["contributors"] = list(update.contributors)
+        if update.weights and update.global_weights:
+            row["update_norm"] = float(np.sqrt(sum(float(np.sum(d.astype(np.float64) ** 2))
+                                                   for d in update.delta())))
+        self.rows.append(row)
 
     def on_round_end(self, round: int, metrics: Mapping[str, Any]) -> None:
         if self.path is not None:
-            from fedsim.reports import write_jsonl
+            from fedsim.reports import append_jsonl
 
-            write_jsonl(self.path, self.rows)
+            append_jsonl(self.path, self.rows[self._written:])
+            self._written = len(self.rows)
 
     def on_finish(self) -> dict[str, Any]:
         return {"updates_observed": len(self.rows)}
+
+    def state(self) -> dict[str, Any]:
+        return {"rows": len(self.rows)}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Re-read the first ``rows`` rows of ``updates.jsonl`` (rows of an interrupted round after the
+        checkpoint are dropped from the file)."""
+        from fedsim.reports import read_jsonl, write_jsonl
+
+        n = int(state.get("rows", 0))
+        rows = read_jsonl(self.path, skip_bad=True) if self.path is not None and self.path.exists() else []
+        if len(rows) < n:
+            raise ValueError(f"{self.path} has {len(rows)} rows, the checkpoint counts {n}")
+        self.rows = rows[:n]
+        self._written = n
+        if self.path is not None and len(rows) != n:
+            write_jsonl(self.path, self.rows)

@@ -23,7 +23,7 @@ from typing import Any, Mapping
 
 import pytest
 
-from fedsim.config import load_config
+from fedsim.app import load_config
 from fedsim.observers import ClientUpdate, Observer
 
 SMALL_SETTINGS: dict[str, Any] = {

@@ -1,43 +1,209 @@
-"""The direction of imports: attacks and strategies never import each other; clients neither."""
+"""The layers of the tree (docs/architecture.md) and the message protocol.
+
+* the core (``fedsim`` without ``fedsim.app``) imports no plugin and not the composition root;
+* plugins (``strategies``, ``clients``, ``attacks``) import only the core; ``strategies`` and
+  ``attacks`` never import each other, ``clients`` neither;
+* the composition root (``fedsim.app``, ``fedsim.__main__``) may import anything.
+
+Every import counts: module-level, function-level, relative, and ``importlib.import_module`` /
+``__import__`` with a constant name. A second test checks that every key that crosses the wire is
+spelled only in ``fedsim/protocol.py``.
+"""
+from __future__ import annotations
+
 import ast
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fedsim", "strategies", "clients", "attacks")
+PLUGINS = ("strategies", "clients", "attacks")
 
 
-def imported_packages(package: str) -> set[str]:
-    found = set()
-    for path in (ROOT / package).rglob("*.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                found |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                found.add(node.module.split(".")[0])
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def layer(module: str) -> str | None:
+    """``core``, ``root``, a plugin package name, or None (third-party / stdlib)."""
+    top = module.split(".")[0]
+    if top in PLUGINS:
+        return top
+    if top == "fedsim":
+        return "root" if module == "fedsim.__main__" or module.startswith("fedsim.app") else "core"
+    return None
+
+
+def imports_of(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute module) for every import in ``source``, wherever it stands."""
+    found = []
+    pkg = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((node.lineno, target))
+            found += [(node.lineno, f"{target}.{a.name}") for a in node.names]  # from pkg import submodule
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in ("import_module", "__import__"):
+                found.append((node.lineno, node.args[0].value))
     return found
 
 
-@pytest.mark.parametrize("package,forbidden", [
-    ("strategies", {"attacks", "clients"}),
-    ("attacks", {"strategies"}),
-    ("clients", {"attacks", "strategies"}),
+def allowed(src_layer: str, dst_layer: str | None) -> bool:
+    if dst_layer is None or src_layer == dst_layer or src_layer == "root":
+        return True
+    if src_layer == "core":
+        return False  # the core imports no plugin and not the root
+    return dst_layer == "core"  # a plugin imports only the core
+
+
+def violations(files: dict[str, str]) -> list[str]:
+    """Layer violations in ``{path: source}`` (paths relative to the repository root)."""
+    out = []
+    for rel, source in files.items():
+        path = ROOT / rel
+        module = module_name(path)
+        src = layer(module)
+        if src is None:
+            continue
+        for line, target in imports_of(source, module, path.name == "__init__.py"):
+            dst = layer(target)
+            if not allowed(src, dst):
+                out.append(f"{rel}:{line}: {src} imports {target} ({dst})")
+    return out
+
+
+def package_files() -> dict[str, str]:
+    return {str(p.relative_to(ROOT)): p.read_text() for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+
+
+def test_every_import_follows_the_layers():
+    files = package_files()
+    assert len(files) > 40  # the scan sees the tree at all
+    assert violations(files) == []
+
+
+@pytest.mark.parametrize("path,source", [
+    ("fedsim/rounds.py", "def f():\n    from strategies.fedavg import FedAvg\n"),  # core -> plugin, in a function
+    ("fedsim/data/registry.py", "import attacks\n"),
+    ("fedsim/seams.py", "from .app import load_plugins\n"),  # core -> root, relative
+    ("fedsim/factories.py", "import importlib\nimportlib.import_module('clients.noise')\n"),
+    ("strategies/fedavg.py", "def f():\n    import attacks.curious\n"),  # strategies <-> attacks
+    ("attacks/dlg.py", "from strategies import compensation\n"),
+    ("clients/noise.py", "from attacks.base import Attack\n"),
+    ("attacks/curious.py", "from fedsim.app.server import Server\n"),  # plugin -> root
 ])
-def test_import_direction(package, forbidden):
-    assert imported_packages(package)  # the scan sees the package's imports at all
-    assert not (imported_packages(package) & forbidden)
+def test_the_checker_catches_each_kind_of_violation(path, source):
+    assert violations({path: source}), f"not caught: {path}: {source!r}"
+
+
+@pytest.mark.parametrize("path,source", [
+    ("fedsim/app/runner.py", "import strategies\nfrom attacks import curious\n"),
+    ("strategies/fedavg.py", "from fedsim.seams import WeightedSumRule\nfrom . import compensation\n"),
+    ("attacks/__init__.py", "from . import dlg\n"),
+])
+def test_the_checker_allows_what_the_layers_allow(path, source):
+    assert violations({path: source}) == []
+
+
+# ------------------------------------------------------------------------------ the message protocol
+def wire_keys() -> dict[str, str]:
+    """Every string constant of fedsim/protocol.py that names a record, key, state entry or message type.
+
+    The recipe keys (``lr``, ``batch_size``, ``local_steps``, ``local_epochs``) are also the names of
+    the ``[train]`` config keys and are left out: they are spelled by the config schema as well."""
+    import fedsim.protocol as protocol
+
+    return {name: v for name, v in vars(protocol).items()
+            if name.isupper() and isinstance(v, str) and v not in protocol.RECIPE_KEYS}
+
+
+def _docstring_nodes(tree: ast.AST) -> set[int]:
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                ids.add(id(first.value))
+    return ids
+
+
+def _wire_positions(tree: ast.AST) -> set[int]:
+    """Constants that stand where a wire key goes: the index of ``<...>.content[...]`` (or of a record
+    taken from it), ``.content.get(...)``, a key of a ``RecordDict({...})`` literal, ``message_type=``."""
+    ids: set[int] = set()
+
+    def mentions_content(e: ast.AST) -> bool:
+        return any(isinstance(n, ast.Attribute) and n.attr == "content" for n in ast.walk(e))
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and mentions_content(node.value):
+            ids.add(id(node.slice))
+        elif isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "get" and mentions_content(f.value) and node.args:
+                ids.add(id(node.args[0]))
+            if getattr(f, "id", getattr(f, "attr", "")) == "RecordDict" and node.args \
+                    and isinstance(node.args[0], ast.Dict):
+                ids |= {id(k) for k in node.args[0].keys if k is not None}
+            ids |= {id(k.value) for k in node.keywords if k.arg == "message_type"}
+    return ids
+
+
+def stray_literals(files: dict[str, str], keys: dict[str, str]) -> list[str]:
+    """Wire keys spelled outside fedsim/protocol.py. Keys with a ``-``, ``_`` or ``.`` (``partition-id``,
+    ``noise_variance``, ...) count anywhere but in docstrings; plain words that are also ordinary names
+    (``arrays``, ``config``, ``train``, ...) count where a message key or type stands."""
+    values = {v: k for k, v in keys.items()}
+    out = []
+    for rel, source in files.items():
+        if rel == "fedsim/protocol.py":
+            continue
+        tree = ast.parse(source)
+        docs, wire = _docstring_nodes(tree), _wire_positions(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in values \
+                    and id(node) not in docs and (not node.value.isalpha() or id(node) in wire):
+                out.append(f"{rel}:{node.lineno}: {node.value!r} (use fedsim.protocol.{values[node.value]})")
+    return out
+
+
+def test_every_wire_key_is_spelled_only_in_the_protocol_module():
+    keys = wire_keys()
+    assert {"ARRAYS", "METRICS", "CONFIG", "PARTITION_ID", "NUM_EXAMPLES", "NOISE_VARIANCE", "FEDSIM_CONFIG",
+            "SERVER_ROUND", "TRAIN", "QUERY", "EVALUATE", "CHANNEL_SETUP"} <= set(keys)
+    assert stray_literals(package_files(), keys) == []
+    # the check itself sees stray keys in each position
+    for source in ('n = reply.content["metrics"]\n', 'n = metrics["num-examples"]\n',
+                   'm = Message(RecordDict({"arrays": a}), message_type="train")\n',
+                   'c = msg.content.get("config")\n', 'r = msg.content["metrics"]["partition-id"]\n'):
+        assert stray_literals({"strategies/x.py": source}, keys), source
+    assert stray_literals({"strategies/x.py": 'cfg["train"]["lr"]\n'}, keys) == []  # a config section
 
 
 def test_flower_app_components_exist():
     """pyproject's [tool.flwr.app.components] point at a real ServerApp and ClientApp."""
+    import importlib
+
     import tomllib
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
 
     comps = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["components"]
-    import importlib
-
     for key, cls in (("serverapp", ServerApp), ("clientapp", ClientApp)):
         mod, attr = comps[key].split(":")
         assert isinstance(getattr(importlib.import_module(mod), attr), cls)

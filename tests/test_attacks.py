@@ -7,8 +7,6 @@ and set with a margin; they fail if an attack breaks.
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -331,4 +329,4 @@ def test_seeded_and_known_labels():
     inp.known_labels = torch.tensor([(int(yb[0]) + 1) % 10])
     res = build_attack("idlg", labels="known", iterations=5).run(inp)
     assert int(res.labels[0]) == (int(yb[0]) + 1) % 10
-    assert math.isfinite(res.trace["seconds"])
+    assert res.trace["iterations"] == 5 and len(res.trace["loss"]) == 5  # the budget is honoured and traced

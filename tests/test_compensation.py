@@ -110,7 +110,17 @@ def test_global_update_compensation_on_state_dict_lists():
     np.testing.assert_allclose(flat, compensate(C.astype(np.float32), nv, 6.0), rtol=1e-5, atol=1e-5)
     assert np.linalg.norm(C - Z) / np.linalg.norm(flat - Z) >= 3.5
     assert comp.metrics()["compensation.kept"] == 3
-    # without names every floating array (buffers included) is compensated, ints pass through
+    # without names every floating array (buffers included) is compensated as one flat vector in list
+    # order, ints pass through: recomputed here from the concatenation of the floating arrays
     out2 = comp.apply(arrays, nv)
     np.testing.assert_array_equal(out2[4], arrays[4])
-    assert not np.array_equal(out2[2], arrays[2]) or not np.array_equal(out2[0], arrays[0])
+    floating = [0, 1, 2, 3, 5]
+    flat_all = np.concatenate([arrays[i].reshape(-1).astype(np.float64) for i in floating])
+    expected = compensate(flat_all, nv, 6.0)
+    offset = 0
+    for i in floating:
+        size = arrays[i].size
+        np.testing.assert_allclose(out2[i].reshape(-1), expected[offset:offset + size], rtol=1e-5, atol=1e-5)
+        offset += size
+    for i in (2, 3):  # the buffers really were compensated (the constant 3.0 / 2.0 vectors moved)
+        assert np.abs(out2[i] - arrays[i]).max() > 1e-3, i

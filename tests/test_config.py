@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from fedsim.cli import main
+from fedsim.app import load_config
+from fedsim.app.cli import main
 from fedsim.config import (
     ConfigError,
     apply_overrides,
     defaults,
     dump_toml,
-    load_config,
     parse_value,
     with_nulls,
 )
@@ -36,10 +36,19 @@ BAD = [
     ("bad-activation", ['model.activation="gelu"'], None, ["model.activation", "sigmoid"]),
     ("bad-strategy", ['strategy.name="krum"'], None, ["strategy.name", "fedavg"]),
     ("bad-strategy-param", ["strategy.mu=0.1"], None, ["strategy.mu", "fedavg"]),
-    ("feedback-without-compensation", ["strategy.compensation_feedback=true"], None,
-     ["strategy.compensation_feedback", "strategy.compensation"]),
-    ("feedback-not-bool", ['strategy.compensation="mp"', 'strategy.compensation_feedback="yes"'], None,
-     ["strategy.compensation_feedback", "true or false"]),
+    ("compensation-moved", ['strategy.compensation="mp"'], None,
+     ["strategy.compensation", "[[transforms]]", "mp-compensation"]),
+    ("feedback-not-bool", ['transforms=[{name="mp-compensation", feedback="yes"}]'], None,
+     ["transforms[0].feedback", "true or false"]),
+    ("bad-transform", ['transforms=[{name="magic"}]'], None, ["transforms[0].name", "mp-compensation", "magic"]),
+    ("bad-transform-param", ['transforms=[{name="mp-compensation", Q=0.5}]'], None,
+     ["transforms[0]", "Q", ">= 1"]),
+    ("bad-channel", ['channel.name="carrier-pigeon"'], None, ["channel.name", "plain", "carrier-pigeon"]),
+    ("bad-channel-param", ["channel.bits=16"], None, ["channel.bits", "plain"]),
+    ("dp-sgd-with-batchnorm", ['model.norm="batch"', 'defenses=[{name="dp-sgd", clip_norm=1.0}]'], None,
+     ["defenses[0] (dp-sgd)", "BatchNorm", "model.norm"]),
+    ("nan-defense-param", ['defenses=[{name="gaussian-noise", sigma=nan}]'], None,
+     ["defenses[0].sigma", "finite"]),
     ("bad-partition", ['data.partition="shards"'], None, ["data.partition", "iid", "dirichlet", "pathological"]),
     ("steps-and-epochs", ["train.local_steps=2"], None, ["train.local_steps", "train.local_epochs", "exactly one"]),
     ("neither-steps-nor-epochs", [], "[train]\nlr = 0.1\n", ["train.local_steps", "train.local_epochs"]),
@@ -120,8 +129,8 @@ def test_cli_valid_config_writes_run_folder_and_round_trips(tmp_path, monkeypatc
 
 def test_dataset_check_happens_before_the_folder(tmp_path, monkeypatch):
     """run_experiment refuses an unavailable dataset without creating output.dir/<run>."""
+    from fedsim.app.runner import run_experiment
     from fedsim.data import DatasetUnavailable
-    from fedsim.runner import run_experiment
 
     cfg = load_config(DEFAULT_TOML, [f'output.dir="{tmp_path / "out"}"', 'data.dataset="cifar10"'])
     with pytest.raises(DatasetUnavailable):

@@ -11,10 +11,11 @@ from conftest import RecordingObserver
 from torch.nn import functional as F
 
 from attacks.curious import CuriousServer, select_truth
-from fedsim.cli import main as cli_main
-from fedsim.config import ConfigError, load_config
+from fedsim.app import load_config
+from fedsim.app.cli import main as cli_main
+from fedsim.app.runner import run_experiment
+from fedsim.config import ConfigError
 from fedsim.reports import read_jsonl
-from fedsim.runner import run_experiment
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "experiments" / "demo.toml"
@@ -35,7 +36,7 @@ def demo_run(tmp_path_factory):
 
 
 def test_simulation_with_curious_server_writes_leakage_outputs(demo_run):
-    cfg, out, rec, _ = demo_run
+    cfg, out, rec, curious = demo_run
     rows = read_jsonl(out / "leakage.jsonl")
     # 10 clients, 3 rounds, iDLG on round 1 against victims 0 and 1, and nowhere else
     assert cfg["federation"]["num_clients"] == 10 and cfg["federation"]["rounds"] == 3
@@ -47,7 +48,20 @@ def test_simulation_with_curious_server_writes_leakage_outputs(demo_run):
     assert max(r["psnr"] for r in rows) > 30
     assert all(r["label_acc"] == 1.0 for r in rows)
     assert (out / "reconstruction_idlg.png").stat().st_size > 1000
-    assert (out / "leakage.png").exists()
+    # leakage.png plots, per attack, the mean SSIM of each attacked round against the round and the accuracy
+    rounds, ssim, acc = curious.plot_series()["idlg"]
+    metrics = {r["round"]: r for r in read_jsonl(out / "metrics.jsonl")}
+    assert rounds == [1] and ssim == [pytest.approx(np.mean([r["ssim"] for r in rows]))]
+    assert acc == [pytest.approx(metrics[1]["accuracy"])]
+    # ... in two panels (SSIM vs round, SSIM vs accuracy), each with something drawn
+    import matplotlib.image as mpimg
+
+    img = mpimg.imread(out / "leakage.png")
+    h, w = img.shape[:2]
+    assert w > 1.5 * h
+    for half in (img[:, : w // 2, :3], img[:, w // 2:, :3]):
+        coloured = (half.max(axis=2) - half.min(axis=2)) > 0.3  # matplotlib's default line colours
+        assert coloured.sum() > 20
     report = (out / "report.md").read_text()
     assert "## Gradient leakage" in report and "| idlg |" in report and "reconstruction_idlg.png" in report
     summary = json.loads((out / "summary.json").read_text())
@@ -57,7 +71,7 @@ def test_simulation_with_curious_server_writes_leakage_outputs(demo_run):
 def test_scorer_recreates_exactly_the_batch_the_victim_trained_on(demo_run):
     """FedSGD: the victim's gradient at the re-created batch equals -update/lr exactly."""
     cfg, _, rec, curious = demo_run
-    from fedsim.client_app import model_for
+    from fedsim.factories import model_for
 
     upd = next(u for u in rec.updates if u.round == 2 and u.client_id == 3)  # any round / client
     x, y = curious.ground_truth(upd)
@@ -74,13 +88,13 @@ def test_scorer_recreates_exactly_the_batch_the_victim_trained_on(demo_run):
 
 def test_victim_and_round_selection(tmp_path):
     base = demo_cfg(tmp_path)
-    c = CuriousServer({**base, "attack": {"name": "idlg", "every": 2, "victims": 3, "seed": 1}})
+    c = CuriousServer.from_config({**base, "attack": {"name": "idlg", "every": 2, "victims": 3, "seed": 1}})
     assert [r for r in range(1, 8) if c.attacks_round(r)] == [1, 3, 5, 7]
     picked = c._chosen_victims(1, list(range(10)))
     assert len(picked) == 3 and picked == c._chosen_victims(1, list(range(10)))  # seeded
-    c = CuriousServer({**base, "attack": {"name": "idlg", "rounds": "all", "victims": "sampled"}})
+    c = CuriousServer.from_config({**base, "attack": {"name": "idlg", "rounds": "all", "victims": "sampled"}})
     assert all(c.attacks_round(r) for r in range(1, 5)) and c._chosen_victims(2, [4, 1]) == [1, 4]
-    c = CuriousServer({**base, "attack": {"name": "idlg", "rounds": [2], "victims": [7, 2]}})
+    c = CuriousServer.from_config({**base, "attack": {"name": "idlg", "rounds": [2], "victims": [7, 2]}})
     assert not c.attacks_round(1) and c.attacks_round(2) and c._chosen_victims(2, [2, 3, 4]) == [2]
 
 
@@ -96,7 +110,7 @@ def test_victim_and_round_selection(tmp_path):
 def test_attack_section_errors_name_the_key(tmp_path, attack, message):
     cfg = demo_cfg(tmp_path)
     cfg["attack"] = attack
-    from fedsim.config import validate
+    from fedsim.app import validate
 
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         validate(cfg)
@@ -122,6 +136,34 @@ def test_oneshot_attack_command_writes_the_same_files(tmp_path, capsys):
     assert "idlg: PSNR" in capsys.readouterr().out
 
 
+def test_oneshot_trains_the_victim_through_the_client_app(tmp_path, monkeypatch):
+    """``fedsim attack`` runs the victim's round through the real ClientApp: its train handler is
+    called once, for client 0, and a Flower mod from the config wraps it (LocalDpMod clipping the
+    update to a tiny norm with heavy Laplace noise stops the attack that succeeds without it)."""
+    import fedsim.app.client as client
+
+    calls = []
+    real = client._train
+
+    def spy(msg, context):
+        calls.append(int(context.node_config["partition-id"]))
+        return real(msg, context)
+
+    monkeypatch.setattr(client, "_train", spy)
+    leak = {}
+    for label, sets in (("plain", []), ("local-dp", ['client.flower_mods=[{name="local-dp", clipping_norm=0.01, '
+                                                     'sensitivity=0.01, epsilon=0.1, delta=1e-5}]'])):
+        argv = ["attack", "--attack", "idlg", "--out", str(tmp_path / label), "--set",
+                "attack.params.idlg.iterations=200"]
+        for s in sets:
+            argv += ["--set", s]
+        assert cli_main(argv) == 0
+        (leak[label],) = read_jsonl(tmp_path / label / "leakage.jsonl")
+    assert calls == [0, 0]
+    assert leak["plain"]["ssim"] > 0.9, leak["plain"]
+    assert leak["local-dp"]["ssim"] < 0.3, leak["local-dp"]
+
+
 def test_oneshot_bad_attack_name_is_a_clear_error(tmp_path, capsys):
     rc = cli_main(["attack", "--attack", "dlgg", "--out", str(tmp_path / "x")])
     assert rc == 2 and "attack.name" in capsys.readouterr().err
@@ -138,11 +180,84 @@ def test_attacker_side_compensation_changes_only_what_the_attack_sees(tmp_path):
     run_experiment(cfg, out=tmp_path / "r", observers=[rec], progress=False)
     upd = next(u for u in rec.updates if u.client_id == 0)
     assert upd.metrics["noise_variance"] == pytest.approx(1e-4)
-    c = CuriousServer(cfg)
+    c = CuriousServer.from_config(cfg)
     seen = c.attack_input(upd)
     raw = dict(zip(upd.param_names, upd.delta()))
-    changed = [n for n in raw if not np.allclose(seen.update[n].numpy(), raw[n])]
-    assert changed  # the attacker worked on a compensated update
+    # the attacker worked on the compensated update, recomputed here from the flat vector of every
+    # parameter (the LeNet has no buffers) with the update's declared variance
+    from fedsim.compensation import compensate
+
+    flat = np.concatenate([raw[n].reshape(-1).astype(np.float64) for n in upd.param_names])
+    expected, offset = compensate(flat, 1e-4, 6.0), 0
+    for n in upd.param_names:
+        size = raw[n].size
+        np.testing.assert_allclose(seen.update[n].numpy().reshape(-1), expected[offset:offset + size],
+                                   rtol=1e-4, atol=1e-7)
+        offset += size
+    assert np.linalg.norm(expected - flat) > 0.1 * np.linalg.norm(flat)  # and it is not the raw update
     cfg["attack"]["compensate"] = False
-    plain = CuriousServer(cfg).attack_input(upd)
+    plain = CuriousServer.from_config(cfg).attack_input(upd)
     assert all(np.array_equal(plain.update[n].numpy(), raw[n]) for n in raw)
+
+
+def test_max_images_limits_the_reconstruction_grid_and_the_report_shows_the_numbers(tmp_path):
+    """attack.max_images: at most that many (truth, reconstruction) pairs per attacked update in
+    reconstruction_<attack>.png; report.md's per-victim table carries the leakage.jsonl values."""
+    import matplotlib.image as mpimg
+
+    widths = {}
+    for k in (1, 4):
+        out = tmp_path / f"k{k}"
+        assert cli_main(["attack", "--attack", "idlg", "--batch-size", "4", "--out", str(out), "--set",
+                         "attack.params.idlg.iterations=10", "--set", f"attack.max_images={k}"]) == 0
+        widths[k] = mpimg.imread(out / "reconstruction_idlg.png").shape[1]
+        (row,) = read_jsonl(out / "leakage.jsonl")
+        report = (out / "report.md").read_text()
+        assert f"| 1 | 0 | idlg | 4 | {row['psnr']:.2f} | {row['ssim']:.3f} |" in report
+    assert widths[4] > 2.5 * widths[1]  # four pairs of columns against one
+
+
+def test_bn_statistics_knowledge_grants_the_victims_batch_statistics(tmp_path):
+    """[[attack.knowledge]] name = "bn-statistics": the attack input carries the BatchNorm-input
+    statistics of the victim's first batch under the global model (recomputed here), and the rows say so."""
+    from attacks.bn_prior import batch_bn_stats
+    from fedsim.factories import client_data
+    from fedsim.training import Recipe, batch_schedule
+
+    cfg = demo_cfg(tmp_path, "federation.rounds=1", 'model.norm="batch"', "train.batch_size=4")
+    cfg["attack"] = {"name": "ig-bn", "rounds": [1], "victims": [0], "knowledge": [{"name": "bn-statistics"}],
+                     "params": {"ig-bn": {"iterations": 5, "bn_target": "victim"}}}
+    rec = RecordingObserver()
+    out = run_experiment(cfg, out=tmp_path / "r", observers=[rec, CuriousServer.from_config(cfg)], progress=False)
+    upd = next(u for u in rec.updates if u.client_id == 0)
+    inp = CuriousServer.from_config(cfg).attack_input(upd)
+    x, y = client_data(cfg, 0)
+    first = batch_schedule(cfg["seed"], 1, 0, len(y), Recipe.from_mapping(upd.recipe))[0]
+    want = batch_bn_stats(inp.global_model(), x[torch.as_tensor(first)])
+    assert set(inp.bn_stats) == set(want) and len(want) == 3
+    for k, (m, v) in want.items():
+        torch.testing.assert_close(inp.bn_stats[k][0], m)
+        torch.testing.assert_close(inp.bn_stats[k][1], v)
+    (row,) = read_jsonl(out / "leakage.jsonl")
+    assert row["knowledge"] == "bn-statistics"
+
+
+def test_victims_of_a_round_are_attacked_as_one_stack(demo_run, tmp_path):
+    """attack.stack: the round's victims are solved as one stacked optimisation with the same scores as
+    one by one (only float rounding differs); stack = 1 attacks them one by one."""
+    cfg, _, rec, _ = demo_run
+    updates = sorted((u for u in rec.updates if u.round == 2), key=lambda u: u.client_id)[:4]
+    assert len(updates) == 4
+    rows = {}
+    for stack in (4, 1):
+        c = demo_cfg(tmp_path, "federation.rounds=3", f"attack.stack={stack}",
+                     "attack.params.idlg.iterations=60")
+        rows[stack] = CuriousServer.from_config(c).attack_many(updates, "idlg")
+    assert [r["stacked"] for r in rows[4]] == [4] * 4 and [r["stacked"] for r in rows[1]] == [1] * 4
+    assert [r["client"] for r in rows[4]] == [u.client_id for u in updates]
+    # L-BFGS amplifies the stack's different float rounding a little: measured |dSSIM| <= 0.004 at 60 it
+    for a, b in zip(rows[4], rows[1]):
+        assert a["ssim"] == pytest.approx(b["ssim"], abs=0.02) and a["label_acc"] == b["label_acc"]
+    assert max(r["psnr"] for r in rows[4]) > 20  # not just equal: the stacked attack recovers images
+    with pytest.raises(ConfigError, match="attack.stack"):
+        demo_cfg(tmp_path, "attack.stack=0")

@@ -31,9 +31,9 @@ import pytest
 import torch
 
 from attacks import AttackInput, build_attack
-from clients.base import build_pipeline
-from fedsim.cli import main
+from fedsim.app.cli import main
 from fedsim.data.registry import load_dataset
+from fedsim.defense import build_pipeline
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
 from fedsim.training import Recipe, batch_schedule, local_train, set_weights

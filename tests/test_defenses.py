@@ -9,10 +9,10 @@ import torch
 from opacus.accountants import RDPAccountant
 from torch.nn import functional as F
 
-from clients.base import DefenseContext, DefensePipeline, build_pipeline
 from clients.clipping import DPSGD, ClipGradient, ClipUpdate
 from clients.noise import GaussianNoise, LaplaceNoise
 from clients.pruning import PLD, Compress, GradDropout, Prune
+from fedsim.defense import DefenseContext, build_pipeline
 from fedsim.models import build_model
 from fedsim.training import Recipe, local_train, param_names
 
@@ -361,7 +361,8 @@ def test_build_pipeline_errors():
         build_pipeline([{"name": "prune", "ratio": 1.5}])
     with pytest.raises(ValueError, match="only one defense may compute gradients"):
         build_pipeline([{"name": "dp-sgd", "clip_norm": 1.0}, {"name": "dp-sgd", "clip_norm": 2.0}])
-    assert isinstance(build_pipeline([{"name": "pld", "ratio": 0.6, "layers": ["fc.*"]}]), DefensePipeline)
+    (pld,) = build_pipeline([{"name": "pld", "ratio": 0.6, "layers": ["fc.*"]}]).defenses  # the entry's values
+    assert (type(pld).__name__, pld.ratio, pld.layers, pld.scope) == ("PLD", 0.6, ["fc.*"], "global")
 
 
 # ----------------------------------------------------------------------------------------- end to end
@@ -396,28 +397,71 @@ def test_local_train_two_defenses_metrics_and_state_round_trip():
 
 # ------------------------------------------------------------------------ Flower's own mods (local DP)
 def test_flower_local_dp_mod_wraps_training_and_clips_plus_noises_the_update(tmp_path):
-    """[[client.flower_mods]] runs Flower's LocalDpMod around the ClientApp's train handler."""
+    """[[client.flower_mods]] runs Flower's LocalDpMod around the ClientApp's train handler. Clipping and
+    noise are checked apart: with negligible noise every update norm equals the clipping norm (the
+    plain updates are 10x longer); with a clipping norm no update reaches, the returned model minus the
+    plain one is Flower's Gaussian noise of std sensitivity * sqrt(2 ln(1.25 / delta)) / epsilon (within
+    5% over ~13k entries)."""
     from conftest import RecordingObserver, make_small_cfg
 
-    from fedsim.runner import run_experiment
+    from fedsim.app.runner import run_experiment
 
-    def norms(extra):
+    def updates(extra, label):
         cfg = make_small_cfg("federation.rounds=1", f"output.dir='{tmp_path}'", **extra)
         rec = RecordingObserver()
-        run_experiment(cfg, out=tmp_path / str(len(extra)) / "r", observers=[rec], progress=False)
-        return [float(np.sqrt(sum((d.astype(np.float64) ** 2).sum() for d in u.delta()))) for u in rec.updates]
+        run_experiment(cfg, out=tmp_path / label, observers=[rec], progress=False)
+        return sorted(rec.updates, key=lambda u: u.client_id)
 
-    plain = norms({})
-    dp = norms({"client__flower_mods": [{"name": "local-dp", "clipping_norm": 0.01, "sensitivity": 1.0,
-                                         "epsilon": 10.0, "delta": 1e-5}]})
-    # Laplace noise of scale 0.1 on ~13k parameters: the update norm is far above the clip and the plain norm
-    assert all(n > 5 * max(plain) for n in dp)
+    def norm(u):
+        return float(np.sqrt(sum((d.astype(np.float64) ** 2).sum() for d in u.delta())))
+
+    def mod(clip, b):
+        return {"client__flower_mods": [{"name": "local-dp", "clipping_norm": clip, "sensitivity": b,
+                                         "epsilon": 1.0, "delta": 1e-5}]}
+
+    plain = updates({}, "plain")
+    clip = 0.002  # the plain updates here have norms of 0.02 and more
+    assert min(norm(u) for u in plain) > 10 * clip  # so that clipping acts
+    clipped = updates(mod(clip, 1e-9), "clipped")
+    assert all(norm(u) == pytest.approx(clip, rel=1e-3) for u in clipped), [norm(u) for u in clipped]
+    b = 1e-3
+    noised = updates(mod(1e6, b), "noised")
+    for p, n in zip(plain, noised):
+        diff = np.concatenate([(w.astype(np.float64) - v.astype(np.float64)).ravel()
+                               for w, v in zip(n.weights, p.weights)])
+        assert diff.size > 10_000
+        std = b * np.sqrt(2 * np.log(1.25 / 1e-5)) / 1.0
+        assert diff.std() == pytest.approx(std, rel=0.05)
+        assert abs(diff.mean()) < 5 * std / np.sqrt(diff.size)
 
 
 def test_flower_mod_config_errors_name_the_key():
-    from fedsim.config import ConfigError, load_config
+    from fedsim.app import load_config
+    from fedsim.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"client\.flower_mods\[0\]\.name"):
         load_config(None, ["client.flower_mods=[{name='nope'}]", "train.local_steps=1"])
     with pytest.raises(ConfigError, match=r"client\.flower_mods\[0\] \(local-dp\) needs"):
         load_config(None, ["client.flower_mods=[{name='local-dp', clipping_norm=1.0}]", "train.local_steps=1"])
+
+
+def test_a_defense_computing_the_gradient_updates_batchnorm_statistics_once_per_step():
+    """With per-sample clipping the gradient comes from the defense and local_train runs one more
+    forward for its metrics; BatchNorm's running statistics must still move once per step, exactly as
+    in plain training (same initial model, same batch, one step)."""
+    from fedsim.app import load_config
+    from fedsim.factories import client_data, model_for
+    from fedsim.training import Recipe
+
+    cfg = load_config(None, ['model.norm="batch"', "train.local_steps=1", "train.batch_size=8",
+                             "federation.num_clients=4"])
+    x, y = client_data(cfg, 0)
+    out = []
+    for entries in ([], [{"name": "clip-gradient", "clip_norm": 1.0}]):
+        torch.manual_seed(0)
+        model = model_for(cfg)
+        names = list(model.state_dict())
+        res = local_train(model, x, y, Recipe.from_mapping(cfg["train"]), seed=0, round=1, client=0,
+                          pipeline=build_pipeline(entries))
+        out.append({n: w for n, w in zip(names, res.weights) if "running_" in n})
+    assert out[0] and all(np.array_equal(out[0][k], out[1][k]) for k in out[0])

@@ -10,29 +10,24 @@ import pytest
 import torch
 from flwr.app import MessageType
 
-from clients.base import DEFENSES, Defense
-from fedsim.client_app import client_app, dataset_for, model_for
-from fedsim.config import load_config
+from fedsim.app import load_config
+from fedsim.app.client import client_app
+from fedsim.app.runner import run_experiment
+from fedsim.app.server import run_server
 from fedsim.data import partition
+from fedsim.defense import DEFENSES, Defense
+from fedsim.factories import dataset_for, model_for
 from fedsim.inprocess import InProcessGrid
 from fedsim.reports import read_jsonl
-from fedsim.runner import run_experiment
-from fedsim.server import run_server
-from strategies import build_strategy
-from strategies.base import sample_partitions
+from fedsim.rounds import Reply, sample_partitions
+from fedsim.seams import PlainChannel
 
 
-def _partition_sizes(cfg) -> list[int]:
-    """Client data sizes, recomputed from the config independently of the ClientApp."""
-    d = cfg["data"]
-    params = {}
-    if d["partition"] == "dirichlet":
-        params = {"alpha": d["alpha"]}
-    elif d["partition"] == "pathological":
-        params = {k: d[k] for k in ("classes_per_client", "min_per_class", "max_per_class")}
+def _partition_sizes(cfg, scheme: str, **params) -> list[int]:
+    """Client data sizes, recomputed by calling the partitioner with the scheme and parameters the test
+    itself set (not through the config-to-parameter mapping the ClientApp uses)."""
     labels = dataset_for(cfg).y_train.numpy()
-    return [len(p) for p in partition(labels, cfg["federation"]["num_clients"], d["partition"], cfg["seed"],
-                                      **params)]
+    return [len(p) for p in partition(labels, cfg["federation"]["num_clients"], scheme, cfg["seed"], **params)]
 
 
 def _weighted_mean(updates) -> list[np.ndarray]:
@@ -74,15 +69,26 @@ def test_fedavg_is_example_weighted_mean(small_cfg, recorder, tmp_path):
     assert max(float(np.abs(p - e).max()) for p, e in zip(plain, expected)) > 1e-4
 
 
-def test_aggregate_train_on_replies_matches_weighted_mean(small_cfg, recorder):
+def test_plain_weighted_mean_matches_flower_and_the_weighted_mean(small_cfg, recorder, tmp_path):
+    """The plain channel's weighted mean over the real replies equals the example-weighted mean, and is
+    bit for bit Flower's own ``aggregate_arrayrecords``; the round's train metrics are example-weighted."""
+    from flwr.app import MetricRecord, RecordDict
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
     cfg = small_cfg("federation.rounds=1", 'data.partition="dirichlet"', "data.alpha=0.3")
     grid = InProcessGrid(client_app, cfg["federation"]["num_clients"])
-    run_server(grid, cfg, None, [recorder], progress=False)
-    replies = [r for r in grid.replies_seen if r.metadata.message_type == MessageType.TRAIN]
+    run_server(grid, cfg, tmp_path, [recorder], progress=False)
+    replies = [Reply(r, grid.nodes[r.metadata.src_node_id]) for r in grid.replies_seen
+               if r.metadata.message_type == MessageType.TRAIN]
     names = list(model_for(cfg).state_dict())
-    fresh = build_strategy(cfg, param_names=names, observers=[])
-    arrays, metrics = fresh.aggregate_train(1, iter(replies))  # replies may be a one-shot iterable
-    got = arrays.to_numpy_ndarrays()
+    channel = PlainChannel()
+    channel.setup(names, cfg)
+    weights = [float(r.num_examples) for r in replies]
+    got = channel.weighted_mean(replies, weights)
+    flower = aggregate_arrayrecords([RecordDict({"arrays": r.message.content["arrays"],
+                                                 "metrics": MetricRecord({"w": w})}) for r, w in zip(replies, weights)],
+                                    "w").to_numpy_ndarrays()
+    assert all(np.array_equal(g, f) and g.dtype == f.dtype for g, f in zip(got, flower))
     ups = recorder.by_round()[1]
     assert len({u.num_examples for u in ups}) > 1
     for g, e in zip(got, _weighted_mean(ups)):
@@ -90,7 +96,8 @@ def test_aggregate_train_on_replies_matches_weighted_mean(small_cfg, recorder):
     # train metrics are aggregated too (example-weighted)
     n = np.array([u.num_examples for u in ups], dtype=float)
     loss = np.array([u.metrics["train_loss"] for u in ups])
-    assert metrics["train_loss"] == pytest.approx(float((n * loss).sum() / n.sum()), rel=1e-6)
+    row = read_jsonl(tmp_path / "metrics.jsonl")[1]
+    assert row["train_loss"] == pytest.approx(float((n * loss).sum() / n.sum()), rel=1e-6)
 
 
 # ------------------------------------------------------------------------------------- observers
@@ -101,7 +108,7 @@ def test_observers_see_every_sampled_client_with_what_was_sent(small_cfg, record
     grid = InProcessGrid(client_app, cfg["federation"]["num_clients"])
     summary = run_server(grid, cfg, None, [recorder], progress=False)
     assert recorder.started and recorder.finished
-    sizes = _partition_sizes(cfg)
+    sizes = _partition_sizes(cfg, "dirichlet", alpha=1.0)
     rounds = recorder.by_round()
     assert sorted(rounds) == [1, 2, 3]
     replies = {r.metadata.reply_to_message_id: r for r in grid.replies_seen}

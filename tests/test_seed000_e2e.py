@@ -24,10 +24,10 @@ import numpy as np
 import pytest
 import torch
 
-import fedsim.server
-from fedsim.compensation import aggregate_noise_variance, compensate_with_info
+import fedsim.app.server
+from fedsim.app.runner import run_experiment
+from fedsim.compensation import aggregate_noise_variance, compensate_with_info, matrix_shape
 from fedsim.reports import read_jsonl
-from fedsim.runner import run_experiment
 
 LRP = {"name": "lrp", "slices": 10, "gamma": 0.3, "sigma": 0.1}  # the paper's GIA setting, var 1e-2, 30%
 
@@ -42,17 +42,25 @@ def _accuracy(run_dir) -> float:
     return float(np.mean([r["accuracy"] for r in rows[-5:]]))
 
 
+COMP = 'transforms=[{name="mp-compensation"}]'
+COMP_EF = 'transforms=[{name="mp-compensation", feedback=true}]'
+
+
 class _Capture:
-    """Wraps ``fedsim.server.build_strategy`` to keep the strategy a run builds (for round_info)."""
+    """Wraps the server's ``build_components`` to keep the compensation transform a run builds."""
 
     def __init__(self) -> None:
-        self.strategies: list = []
-        self._orig = fedsim.server.build_strategy
+        self.transforms: list = []
+        self._orig = fedsim.app.server.build_components
 
     def __call__(self, *a, **kw):
-        s = self._orig(*a, **kw)
-        self.strategies.append(s)
-        return s
+        parts = self._orig(*a, **kw)
+        self.transforms.append(parts["transforms"][0] if parts["transforms"] else None)
+        return parts
+
+
+def _rows(run_dir) -> dict[int, dict]:
+    return {r["round"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
 
 
 # ------------------------------------------------------------------------------------ (a) accuracy
@@ -67,18 +75,12 @@ def accuracy_runs(tmp_path_factory):
     """no defense / LRP / LRP + compensation (without and with error feedback), 30 clients x 40 FedSGD
     rounds, seed 0 (~30 s)."""
     out = tmp_path_factory.mktemp("seed000-acc")
-    cap = _Capture()
     runs = {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fedsim.server, "build_strategy", cap)
-        for label, extra, defenses in (("none", (), []),
-                                       ("lrp", (), [LRP]),
-                                       ("lrp+comp", ('strategy.compensation="mp"',), [LRP]),
-                                       ("lrp+comp+ef", ('strategy.compensation="mp"',
-                                                        "strategy.compensation_feedback=true"), [LRP])):
-            cfg = _make(*FEDSGD, *extra, defenses=defenses, output__dir=str(out))
-            run_dir = run_experiment(cfg, out=out / label, progress=False)
-            runs[label] = {"acc": _accuracy(run_dir), "strategy": cap.strategies[-1]}
+    for label, extra, defenses in (("none", (), []), ("lrp", (), [LRP]), ("lrp+comp", (COMP,), [LRP]),
+                                   ("lrp+comp+ef", (COMP_EF,), [LRP])):
+        cfg = _make(*FEDSGD, *extra, defenses=defenses, output__dir=str(out))
+        run_dir = run_experiment(cfg, out=out / label, progress=False)
+        runs[label] = {"acc": _accuracy(run_dir), "rows": _rows(run_dir), "model": torch.load(run_dir / "model.pt")}
     return runs
 
 
@@ -89,6 +91,12 @@ def test_lrp_without_compensation_keeps_accuracy(accuracy_runs):
     none, lrp = accuracy_runs["none"]["acc"], accuracy_runs["lrp"]["acc"]
     assert none > 0.5, none  # the federation learns at all
     assert abs(lrp - none) <= 0.03, (none, lrp)
+    # ... while LRP really perturbed training: every round's clients declared noise, and the final model
+    # is another one (an LRP that did nothing would reproduce the undefended run exactly)
+    rows = accuracy_runs["lrp"]["rows"]
+    assert all(rows[r]["noise_variance"] > 0 for r in rows if r > 0)
+    a, b = accuracy_runs["none"]["model"], accuracy_runs["lrp"]["model"]
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) > 1e-3
 
 
 def test_compensation_costs_accuracy_at_the_papers_noise(accuracy_runs):
@@ -99,11 +107,14 @@ def test_compensation_costs_accuracy_at_the_papers_noise(accuracy_runs):
     rounds: 0.638 vs 0.738 and 0.656 vs 0.730)."""
     lrp, comp = accuracy_runs["lrp"]["acc"], accuracy_runs["lrp+comp"]["acc"]
     assert comp <= lrp - 0.08, (lrp, comp)
-    info = accuracy_runs["lrp+comp"]["strategy"].round_info
-    kept = [info[r]["compensation"]["compensation.kept"] for r in sorted(info)]
-    w = info[1]["compensation"]["compensation.w"]
-    # measured: 2-6 kept directions in rounds 1-17, growing to 26 by round 40 as the gradients grow
-    assert w == 47 and max(kept[:10]) <= 8 and min(kept) >= 1, kept
+    rows = accuracy_runs["lrp+comp"]["rows"]
+    kept = [rows[r]["mp-compensation.kept"] for r in sorted(rows) if r > 0]
+    # the matrix the flat update is reshaped into: w = round(sqrt(n / Q)) for the LeNet's n parameters
+    n = sum(v.numel() for v in accuracy_runs["none"]["model"].values())
+    assert rows[1]["mp-compensation.w"] == matrix_shape(n, 6.0)[1]
+    # what this guards: the compensation acts in every round (some directions removed, some kept); it
+    # is not skipped and does not zero the update. (Measured: 2-6 of 47 kept in rounds 1-17, 26 by 40.)
+    assert all(1 <= k < rows[1]["mp-compensation.w"] for k in kept), kept
 
 
 def test_error_feedback_gives_back_what_compensation_cost(accuracy_runs):
@@ -177,12 +188,8 @@ def test_strategy_applies_compensation_with_the_aggregate_noise_variance(tmp_pat
     lr = 0.05
     cfg = _make("federation.num_clients=4", "federation.rounds=1", f"train.lr={lr}", "train.local_steps=2",
                 'data.partition="pathological"', "data.min_per_class=5", "data.max_per_class=40",
-                'strategy.compensation="mp"', defenses=[{**LRP, "sigma": 0.5}], output__dir=str(tmp_path))
-    cap = _Capture()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fedsim.server, "build_strategy", cap)
-        run_dir = run_experiment(cfg, out=tmp_path / "run", observers=[recorder], progress=False)
-    strategy = cap.strategies[-1]
+                COMP, defenses=[{**LRP, "sigma": 0.5}], output__dir=str(tmp_path))
+    run_dir = run_experiment(cfg, out=tmp_path / "run", observers=[recorder], progress=False)
     ups = sorted(recorder.by_round()[1], key=lambda u: u.client_id)
     n = np.array([u.num_examples for u in ups], dtype=np.float64)
     assert len(ups) == 4 and len(set(n)) > 1, "the test needs unequal client sizes"
@@ -201,10 +208,10 @@ def test_strategy_applies_compensation_with_the_aggregate_noise_variance(tmp_pat
     assert expected_var == pytest.approx(aggregate_noise_variance(n, variances), rel=1e-12)
     assert expected_var != pytest.approx(float(np.mean(variances)) / len(ups), rel=1e-3)  # weights matter
 
-    comp = strategy.round_info[1]["compensation"]
-    assert comp["noise_variance"] == pytest.approx(expected_var, rel=1e-9)
-    assert comp["compensation.noise_var"] == pytest.approx(expected_var, rel=1e-9)
-    assert 0 < comp["compensation.kept"] < comp["compensation.w"]  # some directions were removed
+    comp = _rows(run_dir)[1]
+    assert comp["mp-compensation.variance"] == pytest.approx(expected_var, rel=1e-9)
+    assert comp["mp-compensation.noise_var"] == pytest.approx(expected_var, rel=1e-9)
+    assert 0 < comp["mp-compensation.kept"] < comp["mp-compensation.w"]  # some directions were removed
 
     # the saved global model is the compensated FedAvg update, recomputed here independently
     names = list(ups[0].param_names)
@@ -213,7 +220,7 @@ def test_strategy_applies_compensation_with_the_aggregate_noise_variance(tmp_pat
             for j in range(len(names))]
     flat = np.concatenate([(m - g).reshape(-1) for m, g in zip(mean, glob)])  # LeNet: no buffers
     comp_flat, info = compensate_with_info(flat, expected_var, 6.0, "band")
-    assert info["kept"] == comp["compensation.kept"]
+    assert info["kept"] == comp["mp-compensation.kept"]
     saved = torch.load(run_dir / "model.pt")
     got = np.concatenate([saved[k].numpy().astype(np.float64).reshape(-1) - g.reshape(-1)
                           for k, g in zip(names, glob)])
@@ -226,13 +233,13 @@ def test_error_feedback_carries_what_compensation_removed(tmp_path, recorder):
     residual_r = (FedAvg update_r + residual_{r-1}) - applied_r, so that the applied updates plus the
     last residual add up to the plain FedAvg updates exactly."""
     cfg = _make("federation.num_clients=4", "federation.rounds=3", "train.lr=0.05", "train.local_steps=2",
-                'strategy.compensation="mp"', "strategy.compensation_feedback=true",
-                defenses=[{**LRP, "sigma": 0.5}], output__dir=str(tmp_path))
+                COMP_EF, defenses=[{**LRP, "sigma": 0.5}], output__dir=str(tmp_path))
     cap = _Capture()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fedsim.server, "build_strategy", cap)
+        mp.setattr(fedsim.app.server, "build_components", cap)
         run_dir = run_experiment(cfg, out=tmp_path / "run", observers=[recorder], progress=False)
-    strategy = cap.strategies[-1]
+    transform = cap.transforms[-1]
+    rows = _rows(run_dir)
     by_round = recorder.by_round()
     names = list(by_round[1][0].param_names)
 
@@ -247,26 +254,22 @@ def test_error_feedback_carries_what_compensation_removed(tmp_path, recorder):
         ups = by_round[r]
         n = np.array([u.num_examples for u in ups], dtype=np.float64)
         raw = sum(p * flat(u.weights) for p, u in zip(n / n.sum(), ups)) - globals_[r - 1]
-        var = strategy.round_info[r]["compensation"]["noise_variance"]
+        var = rows[r]["mp-compensation.variance"]
         applied, info = compensate_with_info(raw + residual, var, 6.0, "band")
         assert 0 < info["kept"] < info["w"]  # the projection removed something every round
         np.testing.assert_allclose(globals_[r] - globals_[r - 1], applied, rtol=1e-4, atol=1e-6)
         residual = raw + residual - applied
         raw_total += raw
-        reported = strategy.round_info[r]["compensation"]["compensation.residual_norm"]
+        reported = rows[r]["mp-compensation.residual_norm"]
         assert reported == pytest.approx(np.linalg.norm(residual), rel=1e-4)
-    np.testing.assert_allclose(flat(strategy.residual), residual, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(flat(transform.residual), residual, rtol=1e-4, atol=1e-6)
     assert np.linalg.norm(residual) > 0.1 * np.linalg.norm(raw_total)
-    np.testing.assert_allclose(globals_[3] - globals_[0] + flat(strategy.residual), raw_total,
+    np.testing.assert_allclose(globals_[3] - globals_[0] + flat(transform.residual), raw_total,
                                rtol=1e-4, atol=1e-5)
 
 
 def test_compensation_is_skipped_without_declared_noise(small_cfg):
-    cap = _Capture()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fedsim.server, "build_strategy", cap)
-        run_experiment(small_cfg("federation.rounds=1", 'strategy.compensation="mp"'), progress=False)
-        run_experiment(small_cfg("federation.rounds=1", defenses=[LRP]), progress=False)
-    with_comp, without = cap.strategies
-    assert with_comp.round_info[1]["compensation"] == {"skipped": "no client declared a noise variance"}
-    assert "compensation" not in without.round_info[1]
+    with_comp = _rows(run_experiment(small_cfg("federation.rounds=1", COMP), progress=False))[1]
+    without = _rows(run_experiment(small_cfg("federation.rounds=1", defenses=[LRP]), progress=False))[1]
+    assert {k: v for k, v in with_comp.items() if k.startswith("mp-compensation.")} == {"mp-compensation.skipped": 1.0}
+    assert not any(k.startswith("mp-compensation.") for k in without)

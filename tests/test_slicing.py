@@ -11,7 +11,6 @@ from scipy.stats import chisquare
 from torch import nn
 from torch.nn import functional as F
 
-from clients.base import DEFENSES, DefensePipeline, build_pipeline
 from clients.slicing import (
     _RISK_CACHE,
     LocalRandomPerturbation,
@@ -21,6 +20,7 @@ from clients.slicing import (
     num_perturbed,
     reservoir_sample,
 )
+from fedsim.defense import DefensePipeline, build_pipeline
 from fedsim.models import build_model
 from fedsim.training import Recipe, get_weights, local_train, set_weights
 
@@ -325,7 +325,7 @@ def test_lrp_per_sample_clipping_matches_manual_loop():
     B = 0.05
     lrp = LocalRandomPerturbation(risk="size", clip=B)
     pipe = DefensePipeline([lrp])
-    from clients.base import DefenseContext
+    from fedsim.defense import DefenseContext
 
     ctx = DefenseContext(1, 0, torch.Generator().manual_seed(0), tuple(model.state_dict()), {"lr": 0.1})
     lrp.setup(model, ctx)
@@ -346,9 +346,10 @@ def test_lrp_per_sample_clipping_matches_manual_loop():
 
 
 def test_lrp_config_validation_and_registration():
-    assert DEFENSES["lrp"] is LocalRandomPerturbation
     pipe = build_pipeline([{"name": "lrp", "slices": 5, "gamma": 0.2, "risk": "size"}])
-    assert isinstance(pipe.defenses[0], LocalRandomPerturbation)
+    (lrp,) = pipe.defenses  # the config entry's values reach the defense, defaults fill the rest
+    assert isinstance(lrp, LocalRandomPerturbation)
+    assert (lrp.slices, lrp.gamma, lrp.risk, lrp.sigma) == (5, 0.2, "size", 0.1)
     for bad in [{"slices": 0}, {"gamma": 0.0}, {"gamma": 1.5}, {"sigma": -1}, {"scale": "x"}, {"risk": "x"},
                 {"clip": 0}, {"plan_from": "x"}]:
         with pytest.raises(ValueError):

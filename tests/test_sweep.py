@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from fedsim.config import ConfigError, load_config
+from fedsim.app import load_config
+from fedsim.app.sweep import load_sweep, run_sweep
+from fedsim.config import ConfigError
 from fedsim.reports import read_jsonl
-from fedsim.sweep import load_sweep, run_sweep
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
@@ -63,6 +64,13 @@ def test_sweep_runs_every_variant_into_one_table(tmp_path):
     (BASE + "[[variants]]\nlabel = 'a'\n[[variants]]\nlabel = 'b'\ntrain = { lr = -1.0 }\n",
      r"variants\[1\] \(b\): train.lr"),
     (BASE + "[[variants]]\nfederation = { rounds = 1 }\n", r"variants\[0\].label"),
+    # a bad observer in the last variant: caught before the first variant runs
+    (BASE + PLAIN_AND_NOISY + "[[variants]]\nlabel = 'spy'\noutput = { observers = ['spy'] }\n",
+     r"variants\[2\] \(spy\): output.observers\[0\].name must be one of .*update-norms.*'spy'"),
+    (BASE + PLAIN_AND_NOISY + "[[variants]]\nlabel = 'bad attack'\nattack = { name = 'idlg', victims = [9] }\n",
+     r"variants\[2\] \(bad attack\): attack.victims"),
+    (BASE + PLAIN_AND_NOISY + "[[variants]]\nlabel = 't'\ntransforms = [{ name = 'mp-compensation', Q = 0 }]\n",
+     r"variants\[2\] \(t\): transforms\[0\] \(mp-compensation\).*Q"),
 ])
 def test_bad_sweeps_fail_before_anything_runs(tmp_path, text, message):
     p = write(tmp_path, text)

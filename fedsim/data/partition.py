@@ -1,4 +1,5 @@
-"""Client partitioners: IID, Dirichlet(alpha) label skew, and the papers' pathological non-IID.
+"""Client partitioners: IID, Dirichlet(alpha) label skew, the papers' pathological non-IID, and the
+natural split of a dataset drawn from several sources (one source per client).
 
 Each returns one index array per client into the training set; all are deterministic in ``rng``.
 """
@@ -64,7 +65,30 @@ def pathological(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
     return parts
 
 
-PARTITIONERS = {"iid": iid, "dirichlet": dirichlet, "pathological": pathological}
+def natural(labels: np.ndarray, num_clients: int, rng: np.random.Generator,
+            sources: np.ndarray | None = None) -> list[np.ndarray]:
+    """Each client gets the samples of its own source (seed 003 §4.3.1: one Gaussian source per client).
+
+    With ``S`` sources: client ``k`` holds sources ``k, k + K, ...`` when ``K <= S`` clients (``K = 1`` is
+    centralised training on the pooled data); with more clients than sources, the clients ``k = s
+    (mod S)`` share source ``s``, dealt IID."""
+    if sources is None:
+        raise ValueError("data.partition = 'natural' needs a dataset with natural sources (e.g. synthetic-2d)")
+    sources = np.asarray(sources)
+    ids = np.unique(sources)
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for s_i, s in enumerate(ids):
+        idx = np.flatnonzero(sources == s)
+        if num_clients <= len(ids):
+            parts[s_i % num_clients].append(idx)
+        else:
+            sharing = list(range(s_i, num_clients, len(ids)))
+            for k, chunk in zip(sharing, np.array_split(rng.permutation(idx), len(sharing))):
+                parts[k].append(chunk)
+    return [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
+
+
+PARTITIONERS = {"iid": iid, "dirichlet": dirichlet, "pathological": pathological, "natural": natural}
 
 
 def partition(labels, num_clients: int, scheme: str = "iid", seed: int = 0, **params) -> list[np.ndarray]:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ class Dataset:
     num_classes: int
     kind: str = "image"  # "image" (values in [0, 1]) or "tabular"
     class_names: tuple[str, ...] = field(default=())
+    # the source each training sample was drawn from (datasets with natural client splits, e.g.
+    # synthetic-2d); ``data.partition = "natural"`` gives each client its own source
+    sources: torch.Tensor | None = None
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -74,11 +77,25 @@ def _load_fmnist_small(data_dir: str | None, download: bool, root_size: int) -> 
 
 
 def _read_idx(path: Path) -> np.ndarray:
+    """An IDX file of unsigned bytes (optionally gzipped); a damaged file is reported by name."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as fh:
-        data = fh.read()
+    try:
+        with opener(path, "rb") as fh:
+            data = fh.read()
+    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError; a cut .gz raises EOFError
+        raise DatasetUnavailable(f"dataset file {path} cannot be read ({type(exc).__name__}: {exc}); "
+                                 "reinstall it") from None
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08 or not 1 <= data[3] <= 4:
+        raise DatasetUnavailable(f"dataset file {path} is not an IDX file of unsigned bytes (bad header "
+                                 f"{data[:4].hex() or 'empty'}); reinstall it")
     ndim = data[3]
+    if len(data) < 4 + 4 * ndim:
+        raise DatasetUnavailable(f"dataset file {path} is truncated (header cut short); reinstall it")
     dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
+    need = 4 + 4 * ndim + int(np.prod(dims, dtype=np.int64))
+    if len(data) != need:
+        raise DatasetUnavailable(f"dataset file {path} holds {len(data)} bytes, its header {dims} needs {need} "
+                                 "(truncated or damaged); reinstall it")
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims).copy()
 
 
@@ -111,6 +128,10 @@ def _load_fmnist(data_dir: str | None, download: bool, root_size: int) -> Datase
         return _read_idx(p if p.exists() else d / (f + ".gz"))
 
     xtr, ytr, xte, yte = (read(f) for f in FMNIST_FILES)
+    for x, y, f in ((xtr, ytr, FMNIST_FILES[1]), (xte, yte, FMNIST_FILES[3])):
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y) or (len(y) and int(y.max()) > 9):
+            raise DatasetUnavailable(f"dataset files in {d} do not match: {f} has {y.shape} labels "
+                                     f"(max {int(y.max()) if len(y) else '-'}) for images {x.shape}; reinstall them")
     xtr, ytr, xr, yr = _hold_out_root(xtr, ytr, root_size)
     return Dataset("fmnist", _images(xtr), _labels(ytr), _images(xte), _labels(yte), _images(xr),
                    _labels(yr), 10, class_names=FMNIST_CLASSES)
@@ -177,11 +198,47 @@ def _load_faces(data_dir: str | None, download: bool, root_size: int) -> Dataset
                    _labels(yr), 2, class_names=("non-face", "face"))
 
 
+# ---- seed 003 §4.3.1: the synthetic two-source 2-D task (FedBoosting's decision-boundary study)
+# Binary labels; each source draws each class from a Gaussian of its own (mean, standard deviation):
+# source 0 (wide) lies on the left with the classes above and below each other, source 1 (tight) on the
+# right with the classes side by side. Each client alone learns a straight boundary that is wrong for
+# the other's part of the plane; the pooled data needs a bent one (what the centralised model learns).
+SYNTHETIC_2D = {  # source -> class -> (mean x, mean y, standard deviation)
+    0: {0: (-2.0, -1.0, 1.0), 1: (-2.0, 1.5, 1.0)},
+    1: {0: (1.0, 0.0, 0.5), 1: (2.5, 0.0, 0.5)},
+}
+SYNTHETIC_2D_PER_SOURCE = 40_000  # samples per source (half per class), split 9:1 into train and test
+
+
+def _load_synthetic_2d(data_dir: str | None, download: bool, root_size: int) -> Dataset:
+    rng = np.random.default_rng(0)
+    xs, ys, ss = [], [], []
+    per_class = SYNTHETIC_2D_PER_SOURCE // 2
+    for source, classes in SYNTHETIC_2D.items():
+        for label, (mx, my, sd) in classes.items():
+            xs.append(rng.normal((mx, my), sd, size=(per_class, 2)))
+            ys.append(np.full(per_class, label))
+            ss.append(np.full(per_class, source))
+    x, y, s = np.concatenate(xs).astype(np.float32), np.concatenate(ys), np.concatenate(ss)
+    test, train = [], []
+    for source in SYNTHETIC_2D:  # 9:1 within each source; the test set holds both sources
+        idx = rng.permutation(np.flatnonzero(s == source))
+        n_test = len(idx) // 10
+        test.append(idx[:n_test])
+        train.append(idx[n_test:])
+    te, tr = np.concatenate(test), rng.permutation(np.concatenate(train))
+    root, tr = tr[:min(root_size, 100)], tr[min(root_size, 100):]
+    t = lambda i: torch.from_numpy(x[i])  # noqa: E731
+    return Dataset("synthetic-2d", t(tr), _labels(y[tr]), t(te), _labels(y[te]), t(root), _labels(y[root]), 2,
+                   kind="tabular", class_names=("class 0", "class 1"), sources=torch.from_numpy(s[tr]))
+
+
 @dataclass(frozen=True)
 class DatasetEntry:
     load: Callable[[str | None, bool, int], Dataset]
     description: str
     available: Callable[[str | None], tuple[bool, str]]
+    sources: int = 0  # natural sources (> 0: the dataset supports data.partition = "natural")
 
 
 def _always(_: str | None) -> tuple[bool, str]:
@@ -216,6 +273,9 @@ DATASETS: dict[str, DatasetEntry] = {
                                   "(scikit-learn)", _always),
     "faces": DatasetEntry(_load_faces, "scikit-image LFW subset: 200 25x25 grey crops, face / non-face",
                           _always),
+    "synthetic-2d": DatasetEntry(_load_synthetic_2d, "seed 003 §4.3.1: 2-D points from Gaussians, 2 classes, "
+                                 "2 sources (one per client with data.partition = natural), 36,000 train / "
+                                 "4,000 test per source", _always, sources=len(SYNTHETIC_2D)),
 }
 
 
@@ -224,12 +284,88 @@ def dataset_status(data_dir: str | None = None) -> list[tuple[str, bool, str, st
     return [(n, *e.available(data_dir)[:1], e.description, e.available(data_dir)[1]) for n, e in DATASETS.items()]
 
 
+def _tensor(a: Any, what: str, dtype: torch.dtype) -> torch.Tensor:
+    t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
+    if dtype is torch.int64:
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise ValueError(f"{what} must hold integer class labels, got dtype {t.dtype}")
+        return t.to(torch.int64)
+    return t.to(torch.float32)
+
+
+def dataset_from(obj: Any, name: str, root_size: int) -> Dataset:
+    """A user dataset's return value as a :class:`Dataset`.
+
+    Either a ``Dataset``, or a mapping with ``x_train``, ``y_train``, ``x_test``, ``y_test`` (arrays or
+    tensors; images as float (N, C, H, W) in [0, 1], tabular as float (N, F); labels integers
+    0..C-1) and optionally ``x_root``/``y_root`` (the public root split; default: ``data.root_size``
+    examples held out from the training data with a fixed seed), ``num_classes`` (default: largest
+    label + 1), ``kind`` (``"image"`` when x has 3 dimensions per example, else ``"tabular"``) and
+    ``class_names``.
+    """
+    if isinstance(obj, Dataset):
+        return obj
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"data.dataset {name!r} returned {type(obj).__name__}; return a fedsim.data.Dataset or "
+                         "a mapping with x_train, y_train, x_test, y_test")
+    missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in obj]
+    if missing:
+        raise ValueError(f"data.dataset {name!r} returned a mapping without {missing}")
+    x_tr, y_tr = _tensor(obj["x_train"], "x_train", torch.float32), _tensor(obj["y_train"], "y_train", torch.int64)
+    x_te, y_te = _tensor(obj["x_test"], "x_test", torch.float32), _tensor(obj["y_test"], "y_test", torch.int64)
+    if len(x_tr) != len(y_tr) or len(x_te) != len(y_te):
+        raise ValueError(f"data.dataset {name!r}: x and y differ in length (train {len(x_tr)} vs {len(y_tr)}, "
+                         f"test {len(x_te)} vs {len(y_te)})")
+    if x_tr.shape[1:] != x_te.shape[1:]:
+        raise ValueError(f"data.dataset {name!r}: train and test inputs differ in shape "
+                         f"({tuple(x_tr.shape[1:])} vs {tuple(x_te.shape[1:])})")
+    if "x_root" in obj and "y_root" in obj:
+        x_r, y_r = _tensor(obj["x_root"], "x_root", torch.float32), _tensor(obj["y_root"], "y_root", torch.int64)
+    else:
+        if root_size >= len(y_tr):
+            raise ValueError(f"data.root_size={root_size} must be smaller than {name!r}'s training set ({len(y_tr)})")
+        perm = torch.as_tensor(np.random.default_rng(0).permutation(len(y_tr)))
+        x_r, y_r = x_tr[perm[:root_size]], y_tr[perm[:root_size]]
+        x_tr, y_tr = x_tr[perm[root_size:]], y_tr[perm[root_size:]]
+    labels = torch.cat([y_tr, y_te])
+    if len(labels) and int(labels.min()) < 0:
+        raise ValueError(f"data.dataset {name!r}: labels must be >= 0")
+    num_classes = int(obj.get("num_classes") or (int(labels.max()) + 1 if len(labels) else 0))
+    if len(labels) and int(labels.max()) >= num_classes:
+        raise ValueError(f"data.dataset {name!r}: a label is >= num_classes ({num_classes})")
+    kind = str(obj.get("kind") or ("image" if x_tr.ndim == 4 else "tabular"))
+    return Dataset(name, x_tr, y_tr, x_te, y_te, x_r, y_r, num_classes, kind=kind,
+                   class_names=tuple(obj.get("class_names") or ()))
+
+
 @lru_cache(maxsize=8)
 def load_dataset(name: str, data_dir: str | None = None, download: bool = False,
-                 root_size: int = 100) -> Dataset:
-    """Load a registered dataset (cached per process: every client actor loads it once)."""
-    if name not in DATASETS:
-        raise ValueError(f"data.dataset must be one of {sorted(DATASETS)}, got {name!r}")
+                 root_size: int = 100, params: str = "{}") -> Dataset:
+    """Load a dataset (cached per process: every client actor loads it once).
+
+    A built-in name (:data:`DATASETS`), or a user's dataset: registered in
+    :data:`fedsim.components.DATASETS` or an import reference (``"mypkg.data:load"``,
+    ``"path/to/file.py:load"``) to a function (or class) that takes ``data_dir``, ``download``,
+    ``root_size`` when it declares them and ``[data] params`` (``params``: their JSON text), and returns
+    what :func:`dataset_from` accepts."""
     if data_dir is not None:
         data_dir = os.path.expanduser(str(data_dir))
+    if name not in DATASETS:
+        import json
+
+        from fedsim.components import DATASETS as PLUGINS
+        from fedsim.components import is_reference
+
+        if name not in PLUGINS and not is_reference(name):
+            raise ValueError(f"data.dataset must be one of {sorted(set(DATASETS) | set(PLUGINS.names()))} or an "
+                             f"import reference ('module:attribute' or 'path/file.py:attribute'), got {name!r}")
+        obj = PLUGINS.build_named(name, json.loads(params), "data.params", name_where="data.dataset",
+                                  data_dir=data_dir, download=download, root_size=root_size)
+        return dataset_from(obj, name, root_size)
+    if json_params_given(params):
+        raise ValueError(f"data.params is for a user's own dataset; the built-in {name!r} takes none")
     return DATASETS[name].load(data_dir, download, root_size)
+
+
+def json_params_given(params: str) -> bool:
+    return params.strip() not in ("", "{}", "null")

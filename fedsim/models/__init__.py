@@ -6,7 +6,7 @@ Build by name with :func:`build_model`.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -162,16 +162,49 @@ class MLP(nn.Module):
 
 
 MODELS = ("lenet", "convnet", "resnet20", "resnet32", "resnet18", "mlp")
+BUILTIN_ONLY = ("activation", "norm", "width", "hidden")  # [model] keys of the built-in models
+
+
+def build_plugin_model(name: str, in_shape: Sequence[int], num_classes: int,
+                       params: Mapping[str, Any] | None = None) -> nn.Module:
+    """A user's model: ``name`` is registered in :data:`fedsim.components.MODELS` or an import reference
+    (``"mypkg.models:SmallCNN"``, ``"path/to/file.py:build"``) to an ``nn.Module`` subclass or a
+    function returning one. It receives ``in_shape`` and ``num_classes`` when it declares them, and
+    ``[model] params`` (validated against its keyword parameters)."""
+    from fedsim.components import MODELS as PLUGINS
+    from fedsim.components import is_reference
+
+    if name not in PLUGINS and not is_reference(name):
+        raise ValueError(f"model.name must be one of {sorted(set(MODELS) | set(PLUGINS.names()))} or an import "
+                         f"reference ('module:attribute' or 'path/file.py:attribute'), got {name!r}")
+    model = PLUGINS.build_named(name, dict(params or {}), "model.params", name_where="model.name",
+                                in_shape=tuple(in_shape), num_classes=int(num_classes))
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model.name {name!r} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 def build_model(name: str, in_shape: Sequence[int], num_classes: int, *, activation: str | None = None,
                 norm: str | None = None, init: str = "default", width: int | None = None,
-                hidden: Sequence[int] | None = None) -> nn.Module:
+                hidden: Sequence[int] | None = None, params: Mapping[str, Any] | None = None) -> nn.Module:
     """Build a model by name. ``activation``/``norm`` default to what the papers use for that model.
 
     ``init="uniform"`` re-initialises every weight and bias from U(-0.5, 0.5), the initialisation DLG
-    uses to make its LeNet easy to invert; ``"default"`` keeps PyTorch's.
+    uses to make its LeNet easy to invert; ``"default"`` keeps PyTorch's. A name that is not a
+    built-in model is a user's model (:func:`build_plugin_model`, parameters in ``params``).
     """
+    if name not in MODELS:
+        given = [k for k, v in (("activation", activation), ("norm", norm), ("width", width),
+                                ("hidden", hidden)) if v is not None]
+        if given:
+            raise ValueError(f"model.{given[0]} applies to the built-in models only; give your model's own "
+                             f"parameters in model.params")
+        model = build_plugin_model(name, in_shape, num_classes, params)
+        _initialise(model, init)
+        return model
+    if params:
+        raise ValueError(f"model.params is for a user's own model; the built-in {name!r} takes "
+                         f"{list(BUILTIN_ONLY)} in [model]")
     if activation is not None and activation not in ACTIVATIONS:
         raise ValueError(f"model.activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
     if norm is not None and norm not in NORMS:
@@ -192,12 +225,16 @@ def build_model(name: str, in_shape: Sequence[int], num_classes: int, *, activat
         model = ResNet(in_shape, num_classes, depth=int(name[6:]), **kw)
     elif name == "mlp":
         model = MLP(in_shape, num_classes, hidden=tuple(hidden) if hidden else (64, 32), **kw)
-    else:
+    else:  # pragma: no cover - every built-in name is handled above
         raise ValueError(f"model.name must be one of {list(MODELS)}, got {name!r}")
+    _initialise(model, init)
+    return model
+
+
+def _initialise(model: nn.Module, init: str) -> None:
     if init == "uniform":
         with torch.no_grad():
             for p in model.parameters():
                 p.uniform_(-0.5, 0.5)
     elif init != "default":
         raise ValueError(f"model.init must be 'default' or 'uniform', got {init!r}")
-    return model

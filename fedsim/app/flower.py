@@ -21,7 +21,7 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from fedsim.client_app import client_app as _client_app
+from fedsim.app.client import client_app as _client_app
 
 # The ClientApp component. A plain assignment (not only an import) because `flwr run` checks that
 # the attribute named in `[tool.flwr.app.components]` is assigned in this module's source.
@@ -62,10 +62,11 @@ def _app_dir() -> Path | None:
 
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    from fedsim.config import dump_toml, load_config
+    from fedsim.app import load_config
+    from fedsim.app.runner import quiet_logs
+    from fedsim.app.server import run_server
+    from fedsim.config import dump_toml
     from fedsim.reports import atomic_write_text, new_run_dir
-    from fedsim.runner import build_observers, quiet_logs
-    from fedsim.server import run_server
 
     quiet_logs()
     root = project_root()
@@ -82,4 +83,4 @@ def main(grid: Grid, context: Context) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.toml", dump_toml(cfg))
     print(f"[fedsim] run folder: {out}", flush=True)
-    run_server(grid, cfg, out, build_observers(cfg))
+    run_server(grid, cfg, out)

@@ -1,4 +1,7 @@
-"""The client defense interface and the pipeline that composes defenses in config order.
+"""The client defense interface (a seam of the core) and the pipeline that composes defenses in order.
+
+Defenses themselves are plugins (``clients/``); they subclass :class:`Defense` and register in
+:data:`fedsim.components.DEFENSES`. ``[[defenses]]`` entries are built by :func:`build_pipeline`.
 
 A defense acts at the stage where it belongs (see ``fedsim.training.local_train``):
 
@@ -16,13 +19,14 @@ prefixed with the defense's position and name in the client's reply metrics.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+
+from fedsim.components import DEFENSES
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -38,15 +42,44 @@ class DefenseContext:
     device: torch.device = torch.device("cpu")
     public_data: tuple[torch.Tensor, torch.Tensor] | None = None  # the public root split, when needed
     num_examples: int = 0  # size of the client's local training set (DP-SGD's sample rate); 0 = unknown
+    incoming: Mapping[str, np.ndarray] = field(default_factory=dict)  # extra arrays the server sent (EXTRAS)
 
 
 class Defense:
-    """Base class. Subclasses set ``name`` and accept their parameters as keyword arguments."""
+    """Base class. Subclasses set ``name`` and accept their parameters as keyword arguments.
+
+    Stages, in the order ``fedsim.training.local_train`` calls them: ``adapt_model`` (may change the
+    model's structure and load client-private entries from ``ctx.state``), ``setup``,
+    ``compute_gradient`` / ``transform_gradient`` per mini-batch, ``end_round`` (after the last step,
+    e.g. to save client-private entries), ``transform_update``, then ``reply_extras`` and
+    ``metrics``. State-dict entries of the adapted model that the global model does not have are
+    client-private: they are never sent.
+    """
 
     name: ClassVar[str] = ""
 
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
+
+    def adapt_model(self, model: nn.Module, ctx: DefenseContext) -> nn.Module:
+        """The model to train this round (default: the global model as received)."""
+        return model
+
     def setup(self, model: nn.Module, ctx: DefenseContext) -> None:
         """Called at the start of every round, after the global weights are loaded."""
+
+    def end_round(self, model: nn.Module, ctx: DefenseContext) -> None:
+        """Called after the last local step, with the trained (adapted) model."""
+
+    def reply_extras(self, ctx: DefenseContext) -> dict[str, np.ndarray]:
+        """Extra arrays to send with the reply (record ``EXTRAS``), e.g. noise terms a server transform
+        needs. Names must be unique across the pipeline."""
+        return {}
+
+    def server_observers(self) -> list[dict[str, Any]]:
+        """Observer entries the server adds when this defense is configured (e.g. an evaluation the
+        defense implies)."""
+        return []
 
     def compute_gradient(self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,
                          ctx: DefenseContext) -> list[torch.Tensor] | None:
@@ -72,14 +105,12 @@ class Defense:
         return type(self).compute_gradient is not Defense.compute_gradient
 
 
-DEFENSES: dict[str, type[Defense]] = {}
+DEFENSES.base = Defense  # an import reference in [[defenses]] must name a Defense
 
 
 def register(cls: type[Defense]) -> type[Defense]:
-    if not cls.name:
-        raise TypeError(f"{cls.__name__} needs a non-empty `name`")
-    DEFENSES[cls.name] = cls
-    return cls
+    """Class decorator: register a defense under its ``name`` (``[[defenses]] name = ...``)."""
+    return DEFENSES.register(cls)
 
 
 class DefensePipeline:
@@ -98,10 +129,14 @@ class DefensePipeline:
         prefix = f"{i}."
         sub = {k[len(prefix):]: v for k, v in ctx.state.items() if k.startswith(prefix)}
         return DefenseContext(ctx.round, ctx.client_id, ctx.generator, ctx.param_names, ctx.recipe, sub,
-                              ctx.device, ctx.public_data, ctx.num_examples)
+                              ctx.device, ctx.public_data, ctx.num_examples, ctx.incoming)
 
     def run_round(self, ctx: DefenseContext) -> "_RoundRunner":
         return _RoundRunner(self, ctx)
+
+    def adapts_model(self) -> bool:
+        """Whether a defense changes the model's structure (then the model cannot be reused)."""
+        return any(type(d).adapt_model is not Defense.adapt_model for d in self.defenses)
 
     def noise_variance(self) -> float | None:
         vs = [v for d in self.defenses if (v := d.noise_variance()) is not None]
@@ -115,9 +150,27 @@ class _RoundRunner:
         self.pipe, self.ctx = pipe, ctx
         self.subs = [pipe._ctx(ctx, i) for i in range(len(pipe.defenses))]
 
+    def adapt_model(self, model: nn.Module) -> nn.Module:
+        for d, c in zip(self.pipe.defenses, self.subs):
+            model = d.adapt_model(model, c)
+        return model
+
     def setup(self, model: nn.Module) -> None:
         for d, c in zip(self.pipe.defenses, self.subs):
             d.setup(model, c)
+
+    def end_round(self, model: nn.Module) -> None:
+        for d, c in zip(self.pipe.defenses, self.subs):
+            d.end_round(model, c)
+
+    def reply_extras(self) -> dict[str, np.ndarray]:
+        out: dict[str, np.ndarray] = {}
+        for d, c in zip(self.pipe.defenses, self.subs):
+            for k, v in d.reply_extras(c).items():
+                if k in out:
+                    raise ValueError(f"defenses: two defenses send the extra array {k!r}")
+                out[k] = np.asarray(v)
+        return out
 
     def compute_gradient(self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor):
         for d, c in zip(self.pipe.defenses, self.subs):
@@ -145,44 +198,6 @@ class _RoundRunner:
         return state, metrics
 
 
-def defense_params(cls: type[Defense]) -> dict[str, Any]:
-    """Parameter names and defaults accepted by a defense (from its ``__init__`` signature)."""
-    sig = inspect.signature(cls.__init__)
-    return {n: p.default for n, p in list(sig.parameters.items())[1:]
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-
-
-def build_entries(entries: Sequence[Mapping[str, Any]], registry: Mapping[str, type], where: str) -> list[Any]:
-    """Instantiate config entries (tables with ``name`` + constructor parameters) from ``registry``.
-
-    Every error names ``<where>[i].<key>``: unknown name, unknown or missing parameter, bad value.
-    """
-    out = []
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"{where}[{i}] must be a table with a name")
-        name = entry.get("name")
-        if name not in registry:
-            raise ValueError(f"{where}[{i}].name must be one of {sorted(registry)}, got {name!r}")
-        cls = registry[name]
-        allowed = defense_params(cls)
-        params = {k: v for k, v in entry.items() if k != "name"}
-        for k in params:
-            if k not in allowed:
-                raise ValueError(f"{where}[{i}].{k} is not a parameter of {name!r}; "
-                                 f"allowed: {sorted(allowed) or 'none'}")
-        missing = [k for k, v in allowed.items() if v is inspect.Parameter.empty and k not in params]
-        if missing:
-            raise ValueError(f"{where}[{i}] ({name}) needs {missing}")
-        try:
-            out.append(cls(**params))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"{where}[{i}] ({name}): {exc}") from exc
-    return out
-
-
 def build_pipeline(entries: Sequence[Mapping[str, Any]]) -> DefensePipeline:
-    """Instantiate ``[[defenses]]`` entries (dicts with ``name`` and parameters), validating each key."""
-    import clients.registry  # noqa: F401  (registers the built-in defenses)
-
-    return DefensePipeline(build_entries(entries, DEFENSES, "defenses"))
+    """Instantiate ``[[defenses]]`` entries (tables with ``name`` and parameters), validating each key."""
+    return DefensePipeline(DEFENSES.build_list(list(entries), "defenses"))

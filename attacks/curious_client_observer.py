@@ -1,0 +1,402 @@
+"""The honest-but-curious *client* of seed 002 (§3, §6.4) as an observer (``curious-client``).
+
+The threat model is a client, not the server: the observer sits at the server's interception point
+only because that is where the simulation shows what each client received, and it reads nothing but
+the chosen client's own updates (``ClientUpdate.client_id == client``; every other reply is dropped
+on arrival). From those it has what that client has:
+
+* the model it is sent every round (``global_weights``: the true ``W_t`` without a defence, the
+  perturbed ``W^_t`` under ``lossless-perturbation``; in the model's dtype, float32 here, while a real
+  client also gets the float64 copy - irrelevant except for the adaptive span attack's last digits);
+* its own reply (``weights``) and the recipe, hence its own gradient ``(W_t - weights) / lr``;
+* its own data (its own records are members it knows); and, generously to the attacker, the public
+  facts of the simulated federation: the partition sizes and who is sampled (its own aggregation
+  weight), and some non-members (test records) for membership inference.
+
+Attacks, once the needed views exist:
+
+* **gradient inversion** of round ``t`` (at the end of round ``t + 1``, when ``W_{t+1}`` has been
+  received): the other clients' combined gradient from the two consecutive models
+  (:func:`attacks.curious_client.others_gradient`), then :func:`~attacks.curious_client.invert_rows`
+  (every first-layer row with one active example gives it exactly), or the single-example guess when
+  no two rows agree. With ``adaptive = true`` also the span attack on the first layer
+  (:func:`~attacks.curious_client.span_inversion`), which breaks the perturbation for one victim example;
+* **membership inference** (§6.4.1, :mod:`attacks.membership`) at round ``T`` (default: the last):
+  an attack model calibrated on the client's own records (members) and test records (non-members)
+  with the model of round ``T - 1`` and applied to other clients' records and unseen test records with
+  the model of round ``T`` (the paper's setting: fresh secrets every round), and with
+  ``adaptive = true`` also calibrated on round ``T`` itself. (The paper's attacker knows half of the
+  training set; a client knows its own part of it without any assumption.)
+
+Scoring - the only place that sees truth - re-creates the other clients' batches from the config (as
+the curious server's scorer does). Outputs: ``client_leakage.jsonl`` (one row per attack), a
+``report.md`` section, ``client_reconstruction.png`` and ``summary.json["client_leakage"]`` (shown by
+``fedsim sweep``).
+
+Config (an ``output.observers`` entry)::
+
+    [[output.observers]]            # or observers = [{ name = "curious-client", client = 0 }]
+    name = "curious-client"
+    client = 0                      # the curious client's partition id
+    rounds = [1]                    # rounds whose other clients' gradient is inverted, or "all"
+    inversion = true
+    membership = true
+    mia_round = 0                   # 0 = the last round
+    mia_features = ["last", "second"]   # last, second, third, last3 (seed 002 Table 4's rows)
+    mia_records = 200               # at most this many known members (and non-members), and scored ones
+    mia_epochs = 100
+    adaptive = false                # also the attacks the paper does not consider
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from fedsim import lossless as ll
+from fedsim.components import OBSERVERS
+from fedsim.factories import client_data, dataset_for, model_for, partitions_for
+from fedsim.observers import ClientUpdate, Observer
+from fedsim.rounds import sample_partitions
+from fedsim.training import Recipe, batch_schedule, derive_seed
+
+from .curious import select_truth
+from .curious_client import invert_rows, invert_single, others_gradient, span_inversion
+from .membership import FEATURES, layer_features, membership_inference
+
+_NEED = {"last": 1, "second": 2, "third": 3, "last3": 3}
+log = logging.getLogger("fedsim")
+
+
+class _View:
+    """What the curious client holds of one round."""
+
+    __slots__ = ("round", "sent", "own", "lr", "n")
+
+    def __init__(self, u: ClientUpdate):
+        self.round = u.round
+        self.sent = [np.array(a, dtype=np.float64) for a in u.global_weights]
+        self.own = [np.array(a, dtype=np.float64) for a in u.weights]
+        self.lr = float(u.recipe["lr"])
+        self.n = int(u.num_examples)
+
+
+@OBSERVERS.register
+class CuriousClient(Observer):
+    """Seed 002's curious client: gradient inversion and membership inference from one client's view."""
+
+    name = "curious-client"
+
+    def __init__(self, *, cfg: Mapping[str, Any], client: int = 0, rounds: str | list[int] | None = None,
+                 inversion: bool = True, membership: bool = True, mia_round: int = 0,
+                 mia_features: list[str] | None = None, mia_records: int = 200, mia_epochs: int = 100,
+                 adaptive: bool = False, rows_rtol: float = 1e-3, exact_tol: float = 1e-3,
+                 ssim_threshold: float = 0.5, seed: int = 0):
+        self.cfg = cfg
+        fed = cfg["federation"]
+        n_clients, n_rounds = int(fed["num_clients"]), int(fed["rounds"])
+        if n_clients < 2:
+            raise ValueError("curious-client needs federation.num_clients >= 2 (other clients to attack)")
+        if isinstance(client, bool) or not isinstance(client, int) or not 0 <= client < n_clients:
+            raise ValueError(f"client must be a client id in 0..{n_clients - 1}, got {client!r}")
+        rounds = [1] if rounds is None else rounds
+        if not (rounds == "all" or (isinstance(rounds, list) and all(
+                isinstance(r, int) and not isinstance(r, bool) and 1 <= r for r in rounds))):
+            raise ValueError(f"rounds must be \"all\" or a list of round numbers >= 1, got {rounds!r}")
+        if inversion and cfg["train"].get("local_steps") != 1:
+            raise ValueError("inversion needs train.local_steps = 1 (FedSGD: the model difference is one "
+                             "gradient step); set inversion = false to run membership inference only")
+        features = ["last", "second"] if mia_features is None else mia_features
+        if not isinstance(features, list) or not features or any(f not in FEATURES for f in features):
+            raise ValueError(f"mia_features must be a non-empty list of {list(FEATURES)}, got {mia_features!r}")
+        if isinstance(mia_round, bool) or not isinstance(mia_round, int) or not 0 <= mia_round <= n_rounds:
+            raise ValueError(f"mia_round must be 0 (the last round) or a round in 1..{n_rounds}, got {mia_round!r}")
+        self.mia_round = mia_round or n_rounds
+        if membership and self.mia_round < 2:
+            raise ValueError("membership inference needs mia_round >= 2 (it is calibrated on the round before)")
+        for key, v, lo in (("mia_records", mia_records, 2), ("mia_epochs", mia_epochs, 1), ("seed", seed, 0)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"{key} must be an integer >= {lo}, got {v!r}")
+        for key, v in (("rows_rtol", rows_rtol), ("exact_tol", exact_tol)):
+            if not v > 0:
+                raise ValueError(f"{key} must be a number > 0, got {v!r}")
+        with torch.random.fork_rng(devices=[]):
+            model = model_for(cfg)
+        try:
+            self.spec = ll.fc_spec(model)
+        except ValueError as exc:
+            raise ValueError(f"curious-client attacks fully connected ReLU models (model.name = 'mlp'): {exc}") from None
+        depth = len(self.spec.shapes)
+        for f in features:
+            if _NEED[f] > depth:
+                raise ValueError(f"mia_features {f!r} needs a model with at least {_NEED[f]} layers, this one has {depth}")
+        self.names = list(model.state_dict().keys())
+        pos = {n: i for i, n in enumerate(self.names)}
+        self.index = [(pos[w], pos[b] if b is not None else None) for w, b in self.spec.names]
+        self.client, self.rounds = client, rounds
+        self.inversion, self.membership, self.adaptive = bool(inversion), bool(membership), bool(adaptive)
+        self.features, self.mia_records, self.mia_epochs = features, mia_records, mia_epochs
+        self.rows_rtol, self.exact_tol, self.ssim_threshold = float(rows_rtol), float(exact_tol), float(ssim_threshold)
+        self.seed = seed
+        self.views: dict[int, _View] = {}
+        self._accuracy: dict[int, Any] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.out: Path | None = None
+        self._images: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    # ---- the client's view ----------------------------------------------------------------------------
+    def observe(self, update: ClientUpdate) -> None:
+        if update.client_id != self.client:
+            return  # another client's reply: the curious client never sees it
+        if not update.global_weights or not update.weights:
+            return  # the channel hides the model from the server, so the simulation cannot show the view
+        self.views[update.round] = _View(update)
+
+    def on_start(self, out_dir: Path | None) -> None:
+        self.out = out_dir
+
+    def _layers(self, arrays: Sequence[np.ndarray]) -> list[ll.Layer]:
+        return [(torch.from_numpy(arrays[i]), torch.from_numpy(arrays[j]) if j is not None else None)
+                for i, j in self.index]
+
+    def own_weight(self, rnd: int) -> float:
+        """The attacker's aggregation weight ``n_own / n_round`` from the public partition sizes and the
+        (seeded) sampling of the round (assumed known: generous to the attacker)."""
+        fed = self.cfg["federation"]
+        sizes = [len(p) for p in partitions_for(self.cfg)]
+        sampled = sample_partitions(self.cfg["seed"], rnd, list(range(len(sizes))), int(fed["clients_per_round"]))
+        return sizes[self.client] / float(sum(sizes[p] for p in sampled))
+
+    def attacks_round(self, rnd: int) -> bool:
+        return self.rounds == "all" or rnd in self.rounds
+
+    def on_round_end(self, round: int, metrics: Mapping[str, Any]) -> None:
+        before = len(self.rows)
+        t = round - 1
+        if self.inversion and self.attacks_round(t) and t in self.views and round in self.views:
+            self.rows.append(self.invert(self.views[t], self.views[round]))
+            if self.adaptive:
+                self.rows.append(self.span(self.views[t], self.views[round]))
+        if self.membership and round == self.mia_round:
+            if round - 1 in self.views and round in self.views:
+                self.rows += self.infer_membership(self.views[round - 1], self.views[round])
+            else:
+                log.warning("curious-client: client %d was not sampled in rounds %d and %d; no membership "
+                            "inference", self.client, round - 1, round)
+        self._accuracy[round] = metrics.get("accuracy")
+        for r in self.rows[before:]:  # the global model's accuracy at the end of the attacked round
+            r["accuracy"] = self._accuracy.get(r["round"])
+        for k in [k for k in self.views if k < round - 1 and not (self.membership and k == self.mia_round - 1)]:
+            del self.views[k]
+        if self.out is not None and len(self.rows) > before:
+            self.write_outputs()
+
+    # ---- scoring (truth) ---------------------------------------------------------------------------------
+    def others_truth(self, rnd: int, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+        """The other sampled clients' batches of round ``rnd``, re-created from the config (scorer only)."""
+        fed = self.cfg["federation"]
+        sampled = sample_partitions(self.cfg["seed"], rnd, list(range(int(fed["num_clients"]))),
+                                    int(fed["clients_per_round"]))
+        xs, ys = [], []
+        for p in sampled:
+            if p == self.client:
+                continue
+            x, y = client_data(self.cfg, p)
+            idx = torch.as_tensor(batch_schedule(self.cfg["seed"], rnd, p, len(y), recipe)[0])
+            xs.append(x[idx])
+            ys.append(y[idx])
+        return torch.cat(xs), torch.cat(ys)
+
+    def score(self, attack: str, rnd: int, recon: torch.Tensor, lr: float, extra: dict[str, Any]) -> dict[str, Any]:
+        from fedsim.metrics import score_reconstruction
+
+        recipe = Recipe(lr, int(self.cfg["train"]["batch_size"]), local_steps=1)
+        tx, ty = self.others_truth(rnd, recipe)
+        flat_t = tx.reshape(len(tx), -1).double()
+        flat_r = recon.reshape(len(recon), flat_t.shape[1]).double()
+        err = (flat_r[:, None, :] - flat_t[None, :, :]).abs().amax(2)  # (candidates, truths)
+        exact = float((err.amin(0) <= self.exact_tol).double().mean()) if len(recon) else 0.0
+        row: dict[str, Any] = {"round": rnd, "client": self.client, "attack": attack, "victims": len(tx),
+                               "candidates": len(recon), "exact": exact, "psnr": None, "ssim": None, "mse": None,
+                               "success_content": 0.0 if not len(recon) else None, **extra}
+        shape = tuple(dataset_for(self.cfg).in_shape)
+        if len(shape) == 3 and len(recon):
+            rx = recon.reshape(len(recon), *shape).float().clamp(0, 1)
+            sx, sy = select_truth(rx, tx.float(), ty)
+            s = score_reconstruction(rx, torch.zeros(len(rx), dtype=torch.long), sx, sy,
+                                     ssim_threshold=self.ssim_threshold)
+            row.update(psnr=s["psnr"], ssim=s["ssim"], mse=s["mse"], success_content=s["success_content"])
+            if len(self._images) < 6:
+                self._images.append((f"{attack} r{rnd}", sx, rx[torch.as_tensor(s["assignment"])]))
+        elif len(recon):  # tabular records: the squared error to the closest record
+            row["mse"] = float(((flat_r[:, None, :] - flat_t[None, :, :]) ** 2).mean(2).amin(1).mean())
+        return row
+
+    # ---- attacks --------------------------------------------------------------------------------------------
+    def _others(self, prev: _View, new: _View) -> tuple[list[ll.Layer], list[ll.Layer], list[ll.Layer]]:
+        own_grad = [(s - o) / prev.lr for s, o in zip(prev.sent, prev.own)]
+        p, n = self._layers(prev.sent), self._layers(new.sent)
+        return p, n, others_gradient(p, n, self._layers(own_grad), prev.lr, self.own_weight(prev.round))
+
+    def invert(self, prev: _View, new: _View) -> dict[str, Any]:
+        """Analytic inversion of the other clients' combined gradient of round ``prev.round``."""
+        t0 = time.perf_counter()
+        _, _, g = self._others(prev, new)
+        recon = invert_rows(g, rtol=self.rows_rtol)
+        rows_found = len(recon)
+        if not rows_found:
+            try:
+                recon = invert_single(g)[None]
+            except ValueError:
+                recon = torch.zeros((0, g[0][0].shape[1]), dtype=torch.float64)
+        return self.score("cc-invert", prev.round, recon, prev.lr,
+                          {"rows_agreeing": rows_found, "seconds": time.perf_counter() - t0})
+
+    def span(self, prev: _View, new: _View) -> dict[str, Any]:
+        """The adaptive span attack on the first layer (one victim example; not in the paper)."""
+        t0 = time.perf_counter()
+        x, y = client_data(self.cfg, self.client)
+        recipe = Recipe(prev.lr, int(self.cfg["train"]["batch_size"]), local_steps=1)
+        own = x[torch.as_tensor(batch_schedule(self.cfg["seed"], prev.round, self.client, len(y), recipe)[0])]
+        p, n = self._layers(prev.sent), self._layers(new.sent)
+        try:
+            rec, trace = span_inversion(p[0], n[0], own.double())
+            recon, extra = rec[None], {"rows_used": trace["rows"], "residual": trace["residual"]}
+        except ValueError as exc:
+            recon, extra = torch.zeros((0, p[0][0].shape[1]), dtype=torch.float64), {"error": str(exc)}
+        return self.score("cc-span", prev.round, recon, prev.lr, {**extra, "seconds": time.perf_counter() - t0})
+
+    def infer_membership(self, prev: _View, cur: _View) -> list[dict[str, Any]]:
+        """§6.4.1 at round ``cur.round``. The attack model is calibrated on records whose status the
+        curious client knows - its own training records (members) and test records (non-members) - with
+        the model of the calibration round, and scored on other clients' training records and as many
+        unseen test records with the model of round ``cur.round``."""
+        ds = dataset_for(self.cfg)
+        parts = partitions_for(self.cfg)
+        gen = torch.Generator(device="cpu").manual_seed(derive_seed(self.seed, cur.round, 0x3E3B))
+        own = torch.as_tensor(parts[self.client])[torch.randperm(len(parts[self.client]), generator=gen)]
+        others = torch.as_tensor(np.concatenate([p for k, p in enumerate(parts) if k != self.client]))
+        others = others[torch.randperm(len(others), generator=gen)]
+        non = torch.randperm(len(ds.y_test), generator=gen)
+        n_cal = min(self.mia_records, len(own), len(non) // 2)
+        n_eval = min(self.mia_records, len(others), len(non) - n_cal)
+        cal_m, eval_m = own[:n_cal], others[:n_eval]
+        cal_n, eval_n = non[:n_cal], non[n_cal:n_cal + n_eval]
+        views = {"previous round": self._layers(prev.sent), "same round": self._layers(cur.sent)}
+        target = views["same round"]
+        rows = []
+        slope, C = self.spec.negative_slope, ds.num_classes
+        for f in self.features:
+            def feats(layers, idx, test=False, f=f):
+                x, y = (ds.x_test, ds.y_test) if test else (ds.x_train, ds.y_train)
+                return layer_features(layers, x[idx].double(), y[idx], C, f, negative_slope=slope)
+
+            tm, tn = feats(target, eval_m), feats(target, eval_n, True)
+            for calib in ("previous round", "same round") if self.adaptive else ("previous round",):
+                t0 = time.perf_counter()
+                v = views[calib]
+                res = membership_inference((feats(v, cal_m), feats(v, cal_n, True)), (tm, tn), features=f,
+                                           seed=self.seed, epochs=self.mia_epochs)
+                rows.append({"round": cur.round, "client": self.client, "attack": "cc-mia", "features": f,
+                             "calibration": calib, "known": 2 * n_cal, "scored": 2 * n_eval, "asr": res.accuracy,
+                             "calibration_asr": res.calibration_accuracy, "seconds": time.perf_counter() - t0})
+        return rows
+
+    # ---- outputs ------------------------------------------------------------------------------------------
+    def summary_rows(self) -> list[dict[str, Any]]:
+        """One entry per attack for ``summary.json["client_leakage"]``; ``columns`` names what a sweep shows."""
+        def mean(rs, k):
+            vals = [r[k] for r in rs if r.get(k) is not None]
+            return float(np.mean(vals)) if vals else None
+
+        out = []
+        for attack in ("cc-invert", "cc-span"):
+            rs = [r for r in self.rows if r["attack"] == attack]
+            if rs:
+                out.append({"attack": attack, "attacks_run": len(rs),
+                            **{k: mean(rs, k) for k in ("exact", "psnr", "ssim", "mse", "success_content")},
+                            "columns": ["exact", "psnr", "ssim"]})
+        for f in self.features:
+            rs = [r for r in self.rows if r["attack"] == "cc-mia" and r["features"] == f]
+            if rs:
+                entry = {"attack": f"cc-mia-{f}", "asr": mean([r for r in rs if r["calibration"] == "previous round"],
+                                                              "asr"), "columns": ["asr"]}
+                if self.adaptive:
+                    entry["asr_same_round"] = mean([r for r in rs if r["calibration"] == "same round"], "asr")
+                    entry["columns"].append("asr_same_round")
+                out.append(entry)
+        return out
+
+    def on_finish(self) -> dict[str, Any]:
+        if self.out is not None and self.rows:
+            self.write_outputs()
+        return {"client_leakage": self.summary_rows()}
+
+    def write_outputs(self) -> None:
+        from fedsim.reports import write_jsonl
+
+        assert self.out is not None
+        write_jsonl(self.out / "client_leakage.jsonl", self.rows)
+        if self._images:
+            self._write_grid()
+
+    def _write_grid(self, most: int = 12) -> None:
+        import matplotlib
+
+        from fedsim.reports import save_figure
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        pairs = [(k, t, r) for k, ts, rs in self._images for t, r in zip(ts, rs)][:most]
+        fig, axes = plt.subplots(2, len(pairs), figsize=(1.3 * len(pairs) + 0.6, 3.0), squeeze=False)
+        for j, (k, t, r) in enumerate(pairs):
+            for row, img in ((0, t), (1, r)):
+                arr = img.permute(1, 2, 0).numpy()
+                axes[row][j].imshow(arr.squeeze(-1) if arr.shape[-1] == 1 else arr, cmap="gray", vmin=0, vmax=1)
+                axes[row][j].set_xticks([])
+                axes[row][j].set_yticks([])
+            axes[0][j].set_title(k, fontsize=7)
+        axes[0][0].set_ylabel("truth")
+        axes[1][0].set_ylabel("client's guess")
+        save_figure(fig, self.out / "client_reconstruction.png")
+        plt.close(fig)
+
+    def report_markdown(self) -> str:
+        from fedsim.reports import md_table
+
+        if not self.rows:
+            return ""
+        transforms = [t.get("name") for t in self.cfg.get("transforms") or []]
+        defence = "under the lossless perturbation" if "lossless-perturbation" in transforms else "without a defence"
+        inv = [r for r in self.rows if r["attack"] in ("cc-invert", "cc-span")]
+        mia = [r for r in self.rows if r["attack"] == "cc-mia"]
+        text = [f"## Curious client (client {self.client}, {defence})\n",
+                "What one honest-but-curious client can learn from what it receives (seed 002 §3, §6.4): the "
+                "model sent to it every round, its own reply and data, the public partition sizes. Nothing from "
+                "other clients' replies is used; the other clients' records are used only to score.\n"]
+        if inv:
+            text += ["### Gradient inversion of the other clients' combined gradient\n",
+                     "From two consecutive models and its own gradient; `cc-invert`: analytic first-layer rows "
+                     "(`rows_agreeing` > 0) or the single-example guess; `cc-span`: the adaptive span attack. "
+                     f"`exact` = share of the victims' records recovered to max abs error <= {self.exact_tol}.\n",
+                     md_table(inv, ["round", "attack", "victims", "candidates", "exact", "psnr", "ssim", "mse",
+                                    "success_content", "seconds", "accuracy"],
+                              {"exact": ".2f", "psnr": ".2f", "ssim": ".3f", "mse": ".3g", "success_content": ".2f",
+                               "seconds": ".2f", "accuracy": ".4f"})]
+            if self._images:
+                text.append("![client reconstruction](client_reconstruction.png)\n")
+        if mia:
+            text += ["### Membership inference (§6.4.1)\n",
+                     "Attack model on the chosen layer outputs + label, calibrated on records the client knows "
+                     "(its own training records: members; test records: non-members) with the model of the "
+                     "calibration round, scored (balanced accuracy, chance 0.5) on other clients' training "
+                     "records and unseen test records with the model of the attacked round.\n",
+                     md_table(mia, ["round", "features", "calibration", "known", "scored", "asr", "calibration_asr",
+                                    "seconds", "accuracy"],
+                              {"asr": ".3f", "calibration_asr": ".3f", "seconds": ".2f", "accuracy": ".4f"})]
+        return "\n".join(text)

@@ -1,0 +1,259 @@
+"""Run an experiment: validate, prepare the run folder, start the federation, collect results.
+
+``backend = "ray"`` runs Flower's simulation engine (``flwr.simulation.run_simulation``) with one
+Ray actor per concurrently-running client; the ServerApp runs in a thread of this process, so the
+observers (and the curious server) run here. ``backend = "inprocess"`` uses
+:class:`fedsim.inprocess.InProcessGrid` (same ServerApp logic and ClientApp, no Ray).
+
+Reliability (docs/failures.md):
+
+* every input is checked before the run folder is touched (config, data, partition, folder);
+* the folder is locked while the run holds it (:mod:`fedsim.runfolder`); a folder holding a run of the
+  same config is resumed from its checkpoint, or reported complete; any other non-empty folder is
+  refused unless ``overwrite``;
+* SIGINT and SIGTERM stop the run at the next safe point (:mod:`fedsim.interrupt`): the summary says
+  ``interrupted`` with the last completed round, Ray is shut down (its client actors are killed, so a
+  client in the middle of a long local training does not hold the stop up), and
+  :class:`~fedsim.interrupt.RunInterrupted` is raised.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from fedsim import progress
+from fedsim.app import build_components
+from fedsim.config import check_data, dump_toml
+from fedsim.factories import model_for
+from fedsim.interrupt import RunInterrupted, StopSignal, handle_signals
+from fedsim.observers import Observer
+from fedsim.protocol import num_nodes
+from fedsim.reports import atomic_write_text, new_run_dir
+from fedsim.runfolder import RunFolderError, open_run_folder, read_summary
+from fedsim.training import torch_threads
+
+log = logging.getLogger("fedsim")
+
+
+def node_count(cfg: dict[str, Any]) -> int:
+    """Simulated nodes: every client, or one per ``simulation.clients_per_node`` virtual clients."""
+    return num_nodes(cfg["federation"]["num_clients"], cfg["simulation"].get("clients_per_node", 1))
+
+
+def build_observers(cfg: dict[str, Any]) -> list[Observer]:
+    """The observers the config asks for (``output.observers``, plus the curious server for ``[attack]``)."""
+    return build_components(cfg)["observers"]
+
+
+def quiet_logs() -> None:
+    """Flower's and Ray's own logs off (at ERROR), unless ``--verbose`` (``fedsim.progress.VERBOSE``)."""
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+    # Flower's usage telemetry posts from a thread pool that the interpreter joins at exit: offline, every
+    # run waited seconds for it before exiting. Off unless the user turned it on explicitly.
+    if os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0") == "0":
+        import sys
+
+        telemetry = sys.modules.get("flwr.supercore.telemetry")
+        if telemetry is not None and hasattr(telemetry, "FLWR_TELEMETRY_ENABLED"):
+            telemetry.FLWR_TELEMETRY_ENABLED = "0"  # read when the module was imported
+    level = logging.INFO if progress.verbose() else logging.ERROR
+    logging.getLogger("flwr").setLevel(level)  # Flower logs every round at INFO and deprecations
+    logging.getLogger("ray").setLevel(level)
+
+
+def _backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    sim = cfg["simulation"]
+    gpus = float(sim["num_gpus"])
+    if gpus == 0 and cfg["device"] != "cpu" and torch.cuda.is_available():
+        gpus = 0.25  # device=auto with a GPU present: share it between client actors
+    loud = progress.verbose()
+    init: dict[str, Any] = {"logging_level": "INFO" if loud else "ERROR", "log_to_driver": loud,
+                            "include_dashboard": False}
+    if sim.get("ray_address"):
+        init["address"] = sim["ray_address"]
+    return {"client_resources": {"num_cpus": int(sim["num_cpus"]), "num_gpus": gpus}, "init_args": init}
+
+
+def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers: Sequence[Observer] | None = None,
+                   progress: bool = True, *, overwrite: bool = False, resume: bool = False,
+                   stop: StopSignal | None = None) -> Path:
+    """Run a validated config; returns the run folder (touched only once every input is checked).
+
+    ``out`` names the folder (default: a new ``<output.dir>/<name>-<timestamp>``). A folder that holds
+    this config's run is continued from its checkpoint (or returned as it is when complete); ``resume``
+    insists on that; ``overwrite`` clears a folder holding something else. Raises
+    :class:`~fedsim.interrupt.RunInterrupted` (with ``run_dir``) when stopped by SIGINT/SIGTERM.
+    ``progress=False`` silences this run's progress lines (``fedsim.progress``)."""
+    show = progress
+    check_data(cfg)  # DatasetUnavailable (with instructions), root split, partition: before any folder
+    model_for(cfg)  # architecture/data mismatches surface here too
+    observers = build_observers(cfg) if observers is None else list(observers)
+    made_here = False
+    if out is None:
+        if resume:
+            raise RunFolderError("resuming needs the run folder (--resume DIR)")
+        try:
+            run_dir = new_run_dir(cfg["output"]["dir"], cfg["name"])
+        except OSError as exc:
+            raise RunFolderError(f"cannot create a run folder in output.dir = {cfg['output']['dir']!r}: "
+                                 f"{exc.strerror or exc}") from None
+        made_here = True
+    else:
+        run_dir = Path(out)
+    try:
+        folder = open_run_folder(run_dir, cfg, overwrite=overwrite, resume=resume)
+    except BaseException:
+        if made_here:
+            run_dir.rmdir()
+        raise
+    folder.created = folder.created or made_here
+    try:
+        if folder.action == "complete":
+            print(f"[fedsim] {run_dir} holds this run, complete: nothing to do (--overwrite runs it again)",
+                  file=sys.stderr)
+            return run_dir
+        ckpt = folder.decision.checkpoint if folder.action == "resume" else None
+        if ckpt is not None:
+            print(f"[fedsim] {run_dir} holds this run: resuming after round {ckpt.round} "
+                  "(--overwrite starts it again)", file=sys.stderr)
+        atomic_write_text(run_dir / "config.toml", dump_toml(cfg))
+        quiet_logs()
+        stop = stop if stop is not None else StopSignal()
+        with handle_signals(stop), torch_threads(int(cfg["simulation"].get("threads", 1))):
+            if cfg["simulation"]["backend"] == "inprocess":
+                _run_inprocess(cfg, run_dir, observers, show, stop, ckpt)
+            else:
+                _run_ray(cfg, run_dir, observers, show, stop, ckpt)
+    except RunInterrupted as exc:
+        exc.run_dir = run_dir  # type: ignore[attr-defined]
+        if exc.completed_round is not None and cfg["output"].get("checkpoint", True):
+            exc.resume_hint = f"fedsim run --resume {run_dir}"  # type: ignore[attr-defined]
+        raise
+    except BaseException as exc:
+        done = (read_summary(run_dir) or {}).get("completed_round")
+        if folder.created and (done is None or done < 1):
+            folder.discard()  # nothing of value: nothing half-way
+        elif isinstance(exc, Exception) and not isinstance(exc, RunFolderError):
+            exc.run_dir = run_dir  # type: ignore[attr-defined]  # the CLI names the folder
+        raise
+    finally:
+        folder.release()
+    return run_dir
+
+
+def _run_inprocess(cfg, run_dir, observers, show, stop, ckpt) -> None:
+    from fedsim.app.client import client_app
+    from fedsim.app.server import run_server
+    from fedsim.inprocess import InProcessGrid
+
+    run_server(InProcessGrid(client_app, node_count(cfg)), cfg, run_dir, observers, show, stop=stop,
+               resume=ckpt)
+
+
+@contextlib.contextmanager
+def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
+    """While Flower's engine runs: keep our SIGINT/SIGTERM handlers after ``ray.init`` (which installs
+    its own SIGTERM handler in the driver) and remember the backend (its actor pool), so an interrupted
+    run can kill its client actors. Flower builds ``RayBackend`` by name from its module at run time;
+    this swaps in a subclass for the duration of one run."""
+    try:
+        from flwr.server.superlink.fleet.vce.backend import raybackend
+    except ImportError:  # pragma: no cover - another Flower layout: no hooks (a stop waits for the clients)
+        yield
+        return
+    original = raybackend.RayBackend
+
+    class TrackedRayBackend(original):  # type: ignore[misc, valid-type]
+        def init_ray(self, backend_config: Any) -> None:
+            super().init_ray(backend_config)
+            stop.install()
+
+        def build(self, app_fn: Any) -> None:
+            backends.append(self)
+            super().build(app_fn)
+
+    raybackend.RayBackend = TrackedRayBackend
+    try:
+        yield
+    finally:
+        raybackend.RayBackend = original
+
+
+def kill_client_actors(backends: Sequence[Any]) -> int:
+    """Kill the Ray actors of Flower's actor pool (idle and busy): a worker thread waiting on a client
+    gets an error at once instead of waiting for its local training to end. Returns how many."""
+    import ray
+
+    logging.getLogger("flwr").setLevel(logging.CRITICAL)  # the killed actors' errors are expected
+    killed = 0
+    for backend in backends:
+        pool = getattr(backend, "pool", None)
+        actors = list(getattr(pool, "pool", None) or []) + list((getattr(pool, "_future_to_actor", None) or {}).values())
+        for actor in actors:
+            try:
+                ray.kill(actor, no_restart=True)
+                killed += 1
+            except Exception:  # noqa: BLE001 - already dead, or Ray already down
+                pass
+    return killed
+
+
+def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    from fedsim.app.client import client_app
+    from fedsim.app.server import run_server
+
+    errors: list[BaseException] = []
+    stopped: list[RunInterrupted] = []
+    backends: list[Any] = []
+    server_app = ServerApp()
+
+    @server_app.main()
+    def _main(grid, context) -> None:
+        if hasattr(grid, "pull_interval"):
+            grid.pull_interval = 0.01  # Flower's default 0.1 s poll adds ~0.07 s to every round
+        try:
+            run_server(grid, cfg, run_dir, observers, show, stop=stop, resume=ckpt, started_at=launched)
+        except RunInterrupted as exc:  # return normally: Flower then shuts its engine down at once
+            stopped.append(exc)
+            kill_client_actors(backends)
+        except BaseException as exc:  # re-raised in the caller: run_simulation would only log it
+            errors.append(exc)
+            raise
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the actors use the cores; a spinning 2-thread evaluation here stalls them
+    launched = time.perf_counter()
+    with progress.suppressed(not show):
+        where = f"joining the Ray cluster at {cfg['simulation']['ray_address']}" if cfg["simulation"].get(
+            "ray_address") else "starting Ray"
+        progress.say(f"{where} for {node_count(cfg)} client nodes ({cfg['simulation']['num_cpus']} CPU each); "
+                     "Ray and its actors take a few seconds to start")
+    try:
+        with _ray_backend_hooks(stop, backends):
+            run_simulation(server_app=server_app, client_app=client_app,
+                           num_supernodes=node_count(cfg), backend_config=_backend_config(cfg))
+    except BaseException:
+        stop.request("engine-stopped")  # a server thread still waiting on the dead engine gives up
+        raise
+    finally:
+        torch.set_num_threads(threads)
+    if stopped:
+        raise stopped[0]
+    if errors:
+        raise errors[0]
+    if not (run_dir / "summary.json").exists():
+        raise RuntimeError("the Flower simulation ended without finishing the run (see the log above)")

@@ -1,0 +1,481 @@
+"""The fedsim ServerApp loop: rounds of the round engine, each followed by an explicit round-end step.
+
+``run_server`` builds the run's components from the config (aggregation rule, channel, transforms,
+observers), lets the engine discover the clients and run the channel's setup exchange, then for
+every round:
+
+1. ``engine.run_round`` - send, collect, intercept (observers see every reply), aggregate; returns the
+   new global state and a :class:`fedsim.rounds.RoundRecord`;
+2. ``round_end`` - evaluate the global model (centrally when the server can read it, else by a client
+   on the common test split), stop if no client's model reached the aggregate (or, when the channel
+   says ``on_round_failure = "continue"``, record the round as failed and keep the global model), let
+   observers act on the round (the curious server attacks here, timed apart), append the row to
+   ``metrics.jsonl``, print progress.
+
+After every round's row is appended, the server checkpoints the run (``checkpoint.npz``,
+:mod:`fedsim.checkpoint`) when it can: the global model, the state of the rule, channel, transforms
+and observers, the RNG positions. A run resumed from a checkpoint continues with the next round and
+ends exactly as the uninterrupted run would.
+
+At the end it writes ``model.pt`` (when the server can read the model), ``accuracy.png``,
+``summary.json`` (``status``: ``completed``, ``interrupted`` or ``failed``, with the last completed
+round) and ``report.md`` - also when the run is interrupted (SIGINT/SIGTERM, :mod:`fedsim.interrupt`)
+or fails: then the files describe the last completed round. ``metrics.csv`` mirrors ``metrics.jsonl``.
+
+Progress (``fedsim.progress``, on stderr): start-up (waiting for the client nodes, discovery, the
+channel's setup), one line per round as soon as it is evaluated (before the observers' attacks,
+which report their own progress) with an ETA, and how long the observers took. Start-up is timed
+apart from the rounds: round 0's ``seconds`` is the initial evaluation only, and ``summary.json``
+has ``startup_seconds``, ``round_seconds`` and ``observer_seconds`` beside the total ``seconds``.
+"""
+from __future__ import annotations
+
+import io
+import logging
+import math
+import shutil
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedsim import progress
+from fedsim.app import build_components
+from fedsim.checkpoint import (
+    CHECKPOINT,
+    CLIENT_STATE,
+    Checkpoint,
+    CheckpointError,
+    config_identity,
+    prune_client_states,
+    resume_blocker,
+    rng_state,
+    set_rng_state,
+    write_checkpoint,
+)
+from fedsim.components import ConfigError
+from fedsim.export import write_csv
+from fedsim.factories import dataset_for, model_for
+from fedsim.interrupt import RunInterrupted, StopSignal
+from fedsim.observers import Observer
+from fedsim.protocol import (
+    CHANNEL_SETUP,
+    CONFIG,
+    EVAL_ACCURACY,
+    EVAL_DATA,
+    EVAL_EXAMPLES,
+    EVAL_LOSS,
+    EVALUATE,
+    RESUMED_AT,
+    STATE_MIRROR,
+    TRAIN,
+    train_config,
+)
+from fedsim.reports import (
+    append_jsonl,
+    atomic_write_bytes,
+    plot_accuracy,
+    read_jsonl,
+    write_json,
+    write_jsonl,
+    write_report,
+)
+from fedsim.rounds import RoundContext, RoundEngine, RoundRecord, sample_partitions
+from fedsim.training import derive_seed, evaluate, get_weights, resolve_device, seed_everything, set_weights
+
+log = logging.getLogger("fedsim")
+
+
+class RunGrid(Grid):
+    """The grid the server loop talks to: the engine's grid plus what the run needs around it.
+
+    * Waiting for replies polls the stop signal (a stop requested by SIGINT/SIGTERM while clients train
+      raises :class:`~fedsim.interrupt.RunInterrupted` within one poll interval).
+    * Train and channel-setup messages name the client-state mirror folder (runs that checkpoint) and,
+      in a resumed run, the checkpointed round (:mod:`fedsim.checkpoint`).
+    """
+
+    def __init__(self, inner: Grid, stop: StopSignal, mirror: Path | None = None, resumed_at: int | None = None):
+        self.inner, self.stop = inner, stop
+        self.extra: dict[str, Any] = {}
+        if mirror is not None:
+            self.extra[STATE_MIRROR] = str(mirror)
+            if resumed_at is not None:
+                self.extra[RESUMED_AT] = int(resumed_at)
+
+    def __getattr__(self, name: str) -> Any:  # pull_interval, contexts, messages_sent, ...
+        return getattr(self.inner, name)
+
+    def set_run(self, run: Any) -> None:
+        self.inner.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self.inner.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        self.stop.check()
+        return self.inner.get_node_ids()
+
+    def _augment(self, msg: Message) -> None:
+        if self.extra and msg.metadata.message_type in (TRAIN, CHANNEL_SETUP) and CONFIG in msg.content:
+            conf = msg.content[CONFIG]
+            if any(k not in conf for k in self.extra):
+                msg.content[CONFIG] = ConfigRecord({**dict(conf), **self.extra})
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        self.stop.check()
+        messages = list(messages)
+        for m in messages:
+            self._augment(m)
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.inner.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Flower's push-then-poll loop, with the stop signal checked between polls (grids that poll at a
+        ``pull_interval``: the simulation engine's; others, such as the in-process grid that answers at
+        once or a deployment's, send and receive as they do, and the stop is checked before sending)."""
+        if not hasattr(self.inner, "pull_interval"):
+            messages = list(messages)
+            self.stop.check()
+            for m in messages:
+                self._augment(m)
+            return self.inner.send_and_receive(messages, timeout=timeout)
+        ids = set(self.push_messages(messages))
+        end = time.monotonic() + (timeout if timeout is not None else 0.0)
+        interval = float(self.inner.pull_interval)
+        out: list[Message] = []
+        while timeout is None or time.monotonic() < end:
+            got = list(self.inner.pull_messages(ids))
+            out.extend(got)
+            ids.difference_update(m.metadata.reply_to_message_id for m in got)
+            if not ids:
+                break
+            self.stop.check()
+            time.sleep(interval)
+        return out
+
+
+class Server:
+    """One run: the engine plus the round-end step (evaluation, observers, metrics, progress)."""
+
+    def __init__(self, cfg: dict[str, Any], out: Path | None, observers: Sequence[Observer] | None = None,
+                 progress: bool = True, fixed_partitions: Sequence[int] | None = None, *,
+                 stop: StopSignal | None = None, resume: Checkpoint | None = None, checkpoint: bool | None = None):
+        self.cfg, self.out, self.progress = cfg, out, progress
+        self.stop = stop if stop is not None else StopSignal()
+        self.resume = resume
+        seed_everything(cfg["seed"])
+        self.ds = dataset_for(cfg)
+        model = model_for(cfg)  # initial weights fixed by the seed
+        self.names = list(model.state_dict().keys())
+        self.initial = get_weights(model)
+        self.device = resolve_device(cfg["device"])
+        parts = build_components(cfg)
+        self.observers = list(parts["observers"] if observers is None else observers)
+        self.engine = RoundEngine(cfg, self.names, parts["rule"], parts["channel"], parts["transforms"],
+                                  self.observers, fixed_partitions=fixed_partitions)
+        self.eval_model = model_for(cfg)
+        self.rows: list[dict[str, Any]] = []
+        self.startup_seconds: float | None = None
+        # checkpoints: only when every piece of the run can report its state (fedsim.checkpoint)
+        self.blocker = resume_blocker(self.engine.channel, self.engine.rule, self.engine.transforms, self.observers)
+        wanted = cfg["output"].get("checkpoint", True) if checkpoint is None else checkpoint
+        self.checkpointing = out is not None and bool(wanted) and self.blocker is None
+        if resume is not None and not self.checkpointing:
+            raise ConfigError(f"cannot resume this run: {self.blocker or 'checkpoints are off'}")
+        self.identity = config_identity(cfg)
+        self.completed: int | None = None  # the last round whose row and checkpoint were written
+        self.committed: Any = None  # the global state after that round
+        self._committed_observers: list[Any] | None = None
+        self.prior_seconds = resume.seconds if resume is not None else 0.0
+        self.resumed = [*resume.resumed, resume.round] if resume is not None else []
+        self._t_start = time.perf_counter()
+
+    # ---- the round-end step ----------------------------------------------------------------------------
+    def evaluate(self, grid: Grid, state: Any, record: RoundRecord) -> dict[str, Any]:
+        arrays = self.engine.channel.plaintext(state)
+        if arrays is not None:
+            set_weights(self.eval_model, arrays)
+            loss, acc = evaluate(self.eval_model, self.ds.x_test, self.ds.y_test, self.device)
+            return {"accuracy": acc, "loss": loss, "evaluated_by": "server"}
+        order = record.contributors or record.sampled or sorted(self.engine.partition_node)
+        res = self.engine.evaluate_remote(grid, record.round, state, record, order)
+        if res is None:
+            return {"accuracy": None, "loss": None, "evaluated_by": "nobody (every evaluator failed)"}
+        loss, acc, p = res
+        return {"accuracy": acc, "loss": loss, "evaluated_by": f"client {p}"}
+
+    def client_evaluate(self, grid: Grid, state: Any, record: RoundRecord) -> dict[str, Any]:
+        """Client-side evaluation (``evaluate.client_fraction``): clients drawn from (seed, round)
+        evaluate the global model on their own data; example-weighted mean, worst and best."""
+        frac = float(self.cfg.get("evaluate", {}).get("client_fraction", 0.0) or 0.0)
+        if frac <= 0 or record.round < 1:
+            return {}
+        parts = sorted(self.engine.partition_node)
+        k = max(1, math.ceil(frac * len(parts)))
+        chosen = sample_partitions(derive_seed(self.cfg["seed"], 0xE7A1), record.round, parts, k)
+        config = train_config(self.cfg, record.round)
+        config[EVAL_DATA] = "local"
+        content = RecordDict({CONFIG: config, **self.engine.channel.outgoing(state)})
+        replies = self.engine.send(grid, chosen, EVALUATE, content, None, "client-evaluate", record.round, record)
+        if not replies:
+            return {"client_evaluators": 0}
+        accs = [float(r.metrics[EVAL_ACCURACY]) for r in replies]
+        n = [float(r.metrics[EVAL_EXAMPLES]) for r in replies]
+        return {"client_accuracy": sum(a * w for a, w in zip(accs, n)) / sum(n),
+                "client_loss": sum(float(r.metrics[EVAL_LOSS]) * w for r, w in zip(replies, n)) / sum(n),
+                "client_accuracy_min": min(accs), "client_accuracy_max": max(accs),
+                "client_evaluators": len(replies)}
+
+    def round_end(self, grid: Grid, state: Any, record: RoundRecord, t_start: float) -> dict[str, Any]:
+        evaluation = self.evaluate(grid, state, record)
+        evaluation.update(self.client_evaluate(grid, state, record))
+        row = {**record.row(), **evaluation}
+        row["seconds"] = time.perf_counter() - t_start
+        rnd = record.round
+        if rnd == 0 and self.startup_seconds is not None:
+            row["startup_seconds"] = self.startup_seconds  # Ray, discovery, the channel's setup
+        if rnd > 0 and record.replies == 0 and record.failures:
+            first = record.failures[0]
+            what = (f"round {rnd}: all {len(record.failures)} sampled clients failed; the first error "
+                    f"(client {first.get('client')}): {first.get('reason', '?')}")
+            if self.engine.channel.on_round_failure != "continue":
+                raise RuntimeError(what)
+            row["round_failed"] = True  # the global model stays as it was (the channel says: continue)
+            log.warning("%s; continuing with the global model unchanged", what.splitlines()[0])
+        self.say_round(row, record)  # before the observers: attacks report their own progress
+        t_obs = time.perf_counter()
+        arrays = self.engine.channel.plaintext(state) if self.observers else None
+        for obs in self.observers:  # observers that evaluate the global model add columns to the row
+            row.update(obs.on_global_model(rnd, arrays))
+        for obs in self.observers:  # e.g. the curious server's attacks: timed apart from the round
+            self.stop.check()
+            obs.on_round_end(rnd, row)
+        row["observer_seconds"] = time.perf_counter() - t_obs
+        if row["observer_seconds"] >= 1.0:
+            progress.say(f"round {rnd:>3}: observers (attacks) took {progress.duration(row['observer_seconds'])}")
+        with self.stop.shielded():  # the row and the checkpoint: both or neither
+            self.rows.append(row)
+            if self.out is not None:
+                append_jsonl(self.out / "metrics.jsonl", [row])
+                write_csv(self.out / "metrics.csv", self.rows)
+            self.commit(state, rnd)
+        return row
+
+    def say_round(self, row: dict[str, Any], record: RoundRecord) -> None:
+        """``round   3/20  accuracy 0.6500  loss 1.4562  clients 10  1.14s  ETA 20s``."""
+        rnd, rounds = record.round, self.cfg["federation"]["rounds"]
+        acc = "-" if row["accuracy"] is None else f"{row['accuracy']:.4f}"
+        loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
+        total = record.replies + len(record.failures)
+        line = (f"round {rnd:>3}/{rounds}  accuracy {acc}  loss {loss}  "
+                f"clients {record.replies}{'/' + str(total) if record.failures else ''}  {row['seconds']:.2f}s")
+        if "client_accuracy" in row:
+            line += f"  client acc {row['client_accuracy']:.4f} (min {row['client_accuracy_min']:.4f})"
+        done = [r for r in self.rows if r["round"] >= 1]
+        if rnd >= 1 and rnd < rounds:  # rounds so far (with their observers) and this one
+            per = (sum(r["seconds"] + r.get("observer_seconds", 0.0) for r in done) + row["seconds"]) / (len(done) + 1)
+            line += f"  ETA {progress.duration(per * (rounds - rnd))}"
+        progress.say(line)
+
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def commit(self, state: Any, rnd: int) -> None:
+        """Round ``rnd`` is complete: remember its state and write the checkpoint (fedsim.checkpoint)."""
+        self.completed, self.committed = rnd, state
+        if not self.checkpointing:
+            return
+        engine = self.engine
+        observers = [obs.state() for obs in self.observers]
+        self._committed_observers = observers
+        components = {"strategy": engine.rule.state(), "channel": engine.channel.state(),
+                      "transforms": [t.state() for t in engine.transforms], "observers": observers}
+        ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.plaintext(state)),
+                          components=components, rng=rng_state(), failures=list(engine.failures),
+                          seconds=self.elapsed(), resumed=self.resumed)
+        write_checkpoint(self.out / CHECKPOINT, ckpt)
+        prune_client_states(self.out / CLIENT_STATE, rnd)
+
+    def restore(self, ckpt: Checkpoint) -> Any:
+        """Bring the run back to the end of round ``ckpt.round``; returns the global state. A checkpoint
+        that does not fit the run raises :class:`CheckpointError` (the folder's summary is left alone)."""
+        engine = self.engine
+        comps = ckpt.components
+        where = self.out / CHECKPOINT
+        if len(comps.get("transforms", [])) != len(engine.transforms) or \
+                len(comps.get("observers", [])) != len(self.observers):
+            raise CheckpointError(f"{where} does not match this run's transforms/observers; use --overwrite "
+                                  "to start the run again")
+        rows = read_jsonl(self.out / "metrics.jsonl", skip_bad=True) if (self.out / "metrics.jsonl").exists() else []
+        rows = [r for r in rows if isinstance(r.get("round"), int) and r["round"] <= ckpt.round]
+        if [r["round"] for r in rows] != list(range(ckpt.round + 1)):
+            raise CheckpointError(f"{self.out / 'metrics.jsonl'} does not hold rounds 0..{ckpt.round} of the "
+                                  "checkpoint; use --overwrite to start the run again")
+        pieces = [(f"strategy {engine.rule.name!r}", engine.rule, comps.get("strategy", {})),
+                  (f"channel {engine.channel.name!r}", engine.channel, comps.get("channel", {})),
+                  *((f"transform {t.name!r}", t, st) for t, st in zip(engine.transforms, comps["transforms"]))]
+        write_jsonl(self.out / "metrics.jsonl", rows)  # drop the rows of an interrupted round
+        write_csv(self.out / "metrics.csv", rows)
+        self.rows = rows
+        pieces += [(f"observer {o.name!r}", o, st) for o, st in zip(self.observers, comps["observers"])]
+        for what, comp, st in pieces:
+            try:
+                comp.load_state(st)
+            except (ValueError, KeyError, TypeError, OSError) as exc:
+                raise CheckpointError(f"{where}: {what} cannot take its state back ({type(exc).__name__}: {exc}); "
+                                      "use --overwrite to start the run again") from exc
+        self._committed_observers = comps["observers"]
+        engine.failures[:] = list(ckpt.failures)
+        prune_client_states(self.out / CLIENT_STATE, ckpt.round)  # files of the interrupted round go
+        set_rng_state(ckpt.rng)
+        state = engine.channel.initial([a.copy() for a in ckpt.arrays])
+        self.completed, self.committed = ckpt.round, state
+        return state
+
+    def drop_checkpoint(self) -> None:
+        """A complete run needs no checkpoint (``model.pt`` is the final model): remove it and the mirror."""
+        if self.out is None:
+            return
+        (self.out / CHECKPOINT).unlink(missing_ok=True)
+        shutil.rmtree(self.out / CLIENT_STATE, ignore_errors=True)
+
+    def elapsed(self) -> float:
+        return self.prior_seconds + time.perf_counter() - self._t_start
+
+    # ---- the whole run ----------------------------------------------------------------------------------
+    def run(self, grid: Grid, started_at: float | None = None) -> dict[str, Any]:
+        """All rounds on ``grid``. ``started_at`` (a ``time.perf_counter()`` value) is when the run was
+        launched - before Ray started, say - so start-up counts from there (default: now)."""
+        with progress.suppressed(not self.progress):
+            return self._run(grid, started_at)
+
+    def _run(self, grid: Grid, started_at: float | None) -> dict[str, Any]:
+        self._t_start = time.perf_counter() if started_at is None else started_at
+        cfg, engine, stop = self.cfg, self.engine, self.stop
+        stop.bind_current_thread()
+        mirror = self.out / CLIENT_STATE if self.checkpointing else None
+        grid = RunGrid(grid, stop, mirror, self.resume.round if self.resume is not None else None)
+        try:
+            stop.check()
+            for obs in self.observers:
+                obs.on_start(self.out)
+            n = cfg["federation"]["num_clients"]
+            progress.say(f"waiting for {n} clients to register and answer (the simulation engine starts the "
+                         "client nodes and their actors now)")
+            with progress.heartbeat(f"still starting: waiting for {n} clients"):
+                engine.discover(grid)
+            if self.resume is not None:
+                state = self.restore(self.resume)
+                first = self.resume.round + 1
+                self.startup_seconds = time.perf_counter() - self._t_start
+            else:
+                state = engine.channel.initial(self.initial)
+                handshake = RoundRecord(0)
+                with progress.heartbeat(f"channel {engine.channel.name!r}: setup exchange"):
+                    engine.channel.handshake(RoundContext(engine, grid, 0, engine.channel, None, None, handshake))
+                self.startup_seconds = time.perf_counter() - self._t_start
+                progress.say(f"{len(engine.partition_node)} clients on {len(engine.node_partitions)} nodes ready; "
+                             f"start-up took {progress.duration(self.startup_seconds)}")
+                self.round_end(grid, state, handshake, time.perf_counter())
+                first = 1
+            for rnd in range(first, cfg["federation"]["rounds"] + 1):
+                stop.check()
+                t0 = time.perf_counter()
+                with progress.heartbeat(f"round {rnd}/{cfg['federation']['rounds']}: clients training"):
+                    state, record = engine.run_round(grid, rnd, state)
+                self.round_end(grid, state, record, t0)
+            with stop.shielded(raise_pending=False):  # the run is complete: a late signal changes nothing
+                summary = self.finish(state, self.elapsed())
+                self.drop_checkpoint()
+            return summary
+        except KeyboardInterrupt as exc:
+            signame = exc.signame if isinstance(exc, RunInterrupted) else "SIGINT"
+            self._stopped("interrupted" if signame.startswith("SIG") else "failed", signame=signame)
+            raise RunInterrupted(signame, self.completed) from None
+        except CheckpointError:
+            raise  # the checkpoint does not fit: the folder stays as the interrupted run left it
+        except Exception as exc:
+            if stop.requested:  # e.g. Ray's processes died of the terminal's SIGINT before the server saw it
+                self._stopped("interrupted", signame=stop.signame)
+                raise RunInterrupted(stop.signame or "SIGINT", self.completed) from None
+            self._stopped("failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500],
+                          trace=traceback.format_exc())
+            raise
+
+    def _stopped(self, status: str, signame: str | None = None, error: str | None = None,
+                 trace: str | None = None) -> None:
+        """Write the files of a run that stopped early, describing its last completed round."""
+        if self.out is None:
+            return
+        try:
+            if self._committed_observers is not None:  # observers back to the last completed round
+                for obs, st in zip(self.observers, self._committed_observers):
+                    obs.load_state(st)
+            extra: dict[str, Any] = {}
+            if signame:
+                extra["stopped_by"] = signame
+            if error:
+                extra["error"] = error
+            if trace:
+                extra["traceback"] = trace
+            self.finish(self.committed, self.elapsed(), status=status, extra=extra)
+        except Exception as exc:  # noqa: BLE001 - the original error matters more
+            log.error("could not write the summary of the %s run: %s", status, exc)
+
+    def finish(self, state: Any, seconds: float, status: str = "completed",
+               extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        rows = self.rows
+        final = rows[-1] if rows else {}
+        accs = [r["accuracy"] for r in rows if r.get("accuracy") is not None]
+        summary: dict[str, Any] = {
+            "name": self.cfg["name"], "status": status, "rounds": self.cfg["federation"]["rounds"],
+            "completed_round": self.completed,
+            "final_accuracy": final.get("accuracy"), "final_loss": final.get("loss"),
+            "best_accuracy": max(accs, default=None), "initial_accuracy": rows[0]["accuracy"] if rows else None,
+            "evaluated_by": final.get("evaluated_by"), "seconds": seconds,
+            "startup_seconds": self.startup_seconds,
+            "round_seconds": sum(r["seconds"] for r in rows if r["round"] >= 1),
+            "observer_seconds": sum(r.get("observer_seconds", 0.0) for r in rows),
+            "client_failures": len(self.engine.failures), "failures": self.engine.failures,
+            "rounds_failed": sum(1 for r in rows if r.get("round_failed")),
+            "clients": len(self.engine.partition_node), "nodes": len(self.engine.node_partitions),
+            "clients_configured": self.cfg["federation"]["num_clients"],
+            "checkpoint": "after every round" if self.checkpointing else (
+                self.blocker or "off (output.checkpoint = false)" if self.out is not None else "off"),
+            "resumable": bool(self.checkpointing and status != "completed" and self.completed is not None),
+            "resumed_from": self.resumed,
+        }
+        summary.update(extra or {})
+        for obs in self.observers:
+            summary.update(obs.on_finish())
+        if self.out is not None:
+            arrays = self.engine.channel.plaintext(state) if state is not None else None
+            if arrays is not None:
+                buf = io.BytesIO()
+                torch.save({n: torch.as_tensor(a) for n, a in zip(self.names, arrays)}, buf)
+                atomic_write_bytes(self.out / "model.pt", buf.getvalue())
+            if rows:
+                plot_accuracy(rows, self.out / "accuracy.png", title=self.cfg["name"])
+            write_json(self.out / "summary.json", summary)
+            write_report(self.out, self.cfg, rows, summary, [obs.report_markdown() for obs in self.observers])
+        return summary
+
+
+def run_server(grid: Grid, cfg: dict[str, Any], out: Path | None, observers: Sequence[Observer] | None = None,
+               progress: bool = True, *, stop: StopSignal | None = None,
+               resume: Checkpoint | None = None, started_at: float | None = None) -> dict[str, Any]:
+    """Run ``federation.rounds`` rounds on ``grid`` (after ``resume.round`` when resuming); write metrics,
+    checkpoints, plot, summary and report to ``out``. ``started_at``: when the run was launched
+    (``time.perf_counter()``), for the start-up time."""
+    return Server(cfg, out, observers, progress, stop=stop, resume=resume).run(grid, started_at)

@@ -1,0 +1,266 @@
+"""Experiments with several variants: one command reproduces a table.
+
+A sweep file is an ordinary config plus ``[[variants]]``; each variant has a ``label`` and any config
+keys, merged over the base (tables merge key by key; lists such as ``defenses`` replace). Every
+variant is validated before anything runs, then each runs into ``<out>/<nn>-<label>/`` and the sweep
+writes ``sweep.jsonl`` / ``sweep.csv`` (one row per variant), ``report.md`` with one table (final
+accuracy, loss, leakage metrics of every configured attack, mean round time relative to the first
+variant) and ``comparison.png`` (accuracy against the round for every variant; final accuracy
+against leakage when the runs were attacked).
+
+``seeds = [0, 1, 2]`` (top level, or ``fedsim sweep --seeds 0,1,2``) repeats every variant once per
+seed (``seed`` replaced; folders ``<nn>-<label>-seed<s>``): the table then shows ``mean ± std``
+(sample standard deviation) of every column, ``sweep.jsonl`` has the means and ``<column>_std``, and
+``runs.jsonl`` / ``runs.csv`` one row per run.
+
+    seeds = [0, 1]
+
+    [[variants]]
+    label = "no defense"
+
+    [[variants]]
+    label = "gaussian 1e-2"
+    defenses = [{ name = "gaussian-noise", variance = 1e-2 }]
+"""
+from __future__ import annotations
+
+import copy
+import re
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from fedsim import progress as prog
+from fedsim.app import validate
+from fedsim.comparison import (
+    comparison_table,
+    mean_std_rows,
+    plot_comparison,
+    run_row,
+    table_columns,
+    table_formats,
+)
+from fedsim.config import ConfigError, _merge, absolute_references, apply_overrides, defaults, read_toml
+from fedsim.export import write_csv
+from fedsim.reports import atomic_write_text, new_run_dir, write_jsonl
+
+variant_row = run_row  # one run folder as a table row (fedsim.comparison.run_row)
+
+
+def check_seeds(seeds: Any, where: str = "seeds") -> list[int]:
+    ok = isinstance(seeds, list) and seeds and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                                                   for x in seeds) and len(set(seeds)) == len(seeds)
+    if not ok:
+        raise ConfigError(f"{where} must be a non-empty list of distinct integers >= 0, got {seeds!r}")
+    return list(seeds)
+
+
+def load_sweep(path: str | Path, overrides: Sequence[str] = (),
+               only: Sequence[str] = ()) -> tuple[dict[str, Any], list[tuple[str, dict]]]:
+    """(base config, [(label, resolved config), ...]); raises ConfigError naming the variant and key.
+
+    ``only`` keeps just the variants with these labels; the overrides are applied to those alone (so
+    ``--set defenses.0.sigma=...`` works with ``--only`` a variant that has a defense)."""
+    base, out, _ = load_sweep_seeds(path, overrides, only)
+    return base, out
+
+
+def load_sweep_seeds(path: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = ()
+                     ) -> tuple[dict[str, Any], list[tuple[str, dict]], list[int] | None]:
+    """:func:`load_sweep` plus the file's ``seeds`` (None when it has none)."""
+    p = Path(path)
+    data = read_toml(p, "sweep file")
+    seeds = check_seeds(data.pop("seeds")) if "seeds" in data else None
+    variants = data.pop("variants", None)
+    if not isinstance(variants, list) or not variants or not all(isinstance(v, dict) for v in variants):
+        raise ConfigError(f"{p}: a sweep needs [[variants]] tables (each with a label)")
+    base = defaults()
+    _merge(base, data)
+    out = []
+    labels = []
+    for i, v in enumerate(variants):
+        label = v.get("label")
+        if not isinstance(label, str) or not label:
+            raise ConfigError(f"variants[{i}].label must be a non-empty string")
+        if label in labels:
+            raise ConfigError(f"variants[{i}].label {label!r} is used twice")
+        labels.append(label)
+    unknown = [o for o in only if o not in labels]
+    if unknown:
+        raise ConfigError(f"--only {unknown}: no such variant; variants: {labels}")
+    for i, v in enumerate(variants):
+        v = dict(v)
+        label = v.pop("label")
+        if only and label not in only:
+            continue
+        cfg = copy.deepcopy(base)
+        _merge(cfg, v)
+        cfg["name"] = f"{base.get('name', 'sweep')}-{_slug(label)}"
+        try:
+            apply_overrides(cfg, overrides)
+            absolute_references(cfg)
+            validate(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"variants[{i}] ({label}): {exc}") from exc
+        out.append((label, cfg))
+    # the base names the output folder and heads the report; every override was checked against every
+    # selected variant above, and one that only a variant can take (defenses.<i>.<param>) skips the base
+    for o in overrides:
+        try:
+            apply_overrides(base, [o])
+        except ConfigError:
+            pass
+    return base, out, seeds
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-").lower() or "variant"
+
+
+class SweepFailed(RuntimeError):
+    """Some variants failed (the others ran; the sweep's report lists every variant's status)."""
+
+
+def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None,
+              progress: bool = True, only: Sequence[str] = (), seeds: Sequence[int] | None = None,
+              overwrite: bool = False) -> Path:
+    """Run every variant (once per seed when the file or ``seeds`` gives seeds) into
+    ``<out>/<nn>-<label>[-seed<s>]/``. Everything is checked first (configs, data, partitions, the
+    variant folders): a bad value anywhere stops the sweep before anything runs. Re-run into the same
+    ``out``, completed runs are skipped and interrupted ones resume from their checkpoints;
+    ``overwrite`` clears the folder first. A run that fails is recorded (``status`` in its row) and the
+    sweep goes on; :class:`SweepFailed` is raised at the end."""
+    from fedsim.app.runner import run_experiment
+    from fedsim.config import check_data
+    from fedsim.interrupt import RunInterrupted
+    from fedsim.runfolder import RunFolderError, decide, open_sweep_folder
+
+    base, variants, file_seeds = load_sweep_seeds(path, overrides, only)
+    seeds = check_seeds(list(seeds), "--seeds") if seeds is not None else file_seeds
+    for i, (label, cfg) in enumerate(variants):
+        try:
+            check_data(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"variants[{i}] ({label}): {exc}") from None
+    made_here = False
+    if out:
+        out_dir = Path(out)
+    else:
+        try:
+            out_dir = new_run_dir(base["output"]["dir"], base.get("name", "sweep"))
+        except OSError as exc:
+            raise RunFolderError(f"cannot create a sweep folder in output.dir = {base['output']['dir']!r}: "
+                                 f"{exc.strerror or exc}") from None
+        made_here = True
+    try:
+        folder = open_sweep_folder(out_dir, overwrite=overwrite)
+    except BaseException:
+        if made_here:
+            out_dir.rmdir()
+        raise
+    try:
+        jobs = []
+        for i, (label, cfg) in enumerate(variants):
+            for seed in (seeds or [None]):
+                name = f"{i:02d}-{_slug(label)}"
+                if seed is not None:
+                    cfg = copy.deepcopy(cfg)
+                    cfg["seed"] = seed
+                    cfg["name"] = f"{variants[i][1]['name']}-seed{seed}"
+                    name += f"-seed{seed}"
+                jobs.append((i, label, cfg, seed, out_dir / name))
+        for _, label, cfg, _, d in jobs:  # a folder of another run stops the sweep before it starts
+            if d.is_dir():
+                decide(d, cfg, what=f"variant {label!r}: folder")
+        if not (out_dir / "sweep.jsonl").exists():
+            write_jsonl(out_dir / "sweep.jsonl", [])  # marks the folder as a sweep's
+        runs: dict[int, list[dict[str, Any]]] = {}
+        run_dirs: dict[int, list[Path]] = {}
+        failed: list[str] = []
+        t0 = time.perf_counter()
+        with prog.suppressed(not progress):
+            for done, (i, label, cfg, seed, job_dir) in enumerate(jobs):
+                elapsed = time.perf_counter() - t0
+                left = f", ETA {prog.duration(prog.eta(done, len(jobs), elapsed))}" if done else ""
+                prog.say(f"sweep {done + 1}/{len(jobs)}: {label}" + (f" (seed {seed})" if seed is not None else "")
+                         + f"  [{done} done in {prog.duration(elapsed)}{left}]")
+                try:
+                    run_dir = run_experiment(cfg, out=job_dir, progress=progress)
+                    row = run_row(label, run_dir)
+                    run_dirs.setdefault(i, []).append(run_dir)
+                except RunInterrupted as exc:
+                    exc.run_dir = out_dir  # type: ignore[attr-defined]
+                    exc.resume_hint = f"fedsim sweep {path} --resume {out_dir}"  # type: ignore[attr-defined]
+                    raise
+                except (ConfigError, KeyboardInterrupt):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - recorded; the other runs still run
+                    failed.append(label if seed is None else f"{label} (seed {seed})")
+                    row = {"variant": label, "status": "failed", "accuracy": None, "loss": None,
+                           "round_seconds": None, "run": job_dir.name,
+                           "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+                    prog.say(f"sweep run {failed[-1]!r} failed: {row['error']}")
+                if seed is not None:
+                    row["seed"] = seed
+                runs.setdefault(i, []).append(row)
+                write_sweep_outputs(out_dir, base, variants, runs, run_dirs, seeds)
+            prog.say(f"sweep done: {len(jobs)} runs in {prog.duration(time.perf_counter() - t0)}; "
+                     f"report {out_dir / 'report.md'}")
+        if failed:
+            err = SweepFailed(f"{len(failed)} of {len(jobs)} runs failed: {failed}")
+            err.run_dir = out_dir  # type: ignore[attr-defined]
+            raise err
+    finally:
+        folder.release()
+    return out_dir
+
+
+def write_sweep_outputs(out_dir: Path, base: dict[str, Any], variants: Sequence[tuple[str, dict]],
+                        runs: dict[int, list[dict[str, Any]]], run_dirs: dict[int, list[Path]],
+                        seeds: Sequence[int] | None) -> None:
+    """sweep.jsonl/.csv (one row per variant), runs.jsonl/.csv (with seeds), report.md, comparison.png."""
+    order = sorted(runs)
+    if seeds:
+        rows = [mean_std_rows(variants[i][0], runs[i], [r["seed"] for r in runs[i]]) for i in order]
+        for i, r in zip(order, rows):
+            if any(x.get("status") == "failed" for x in runs[i]):
+                r["status"] = "failed"
+        every = [r for i in order for r in runs[i]]
+        write_jsonl(out_dir / "runs.jsonl", every)
+        write_csv(out_dir / "runs.csv", every)
+    else:
+        rows = [dict(runs[i][0]) for i in order]
+    base_t = rows[0].get("round_seconds")
+    for r in rows:
+        r["time_ratio"] = r["round_seconds"] / base_t if base_t and r.get("round_seconds") else None
+    write_jsonl(out_dir / "sweep.jsonl", rows)
+    write_csv(out_dir / "sweep.csv", rows)
+    groups = [(variants[i][0], run_dirs[i]) for i in order if run_dirs.get(i)]
+    plot_comparison(groups, rows, out_dir / "comparison.png", title=str(base.get("name", "sweep")))
+    write_sweep_report(out_dir, base, rows, seeds)
+
+
+def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str, Any]],
+                       seeds: Sequence[int] | None = None) -> None:
+    cols = table_columns(rows)
+    fed, train = base["federation"], base["train"]
+    repeat = (f" Every variant ran once per seed {list(seeds)}: cells are mean ± sample standard deviation "
+              "over the seeds (`sweep.jsonl`: the means and `<column>_std`; `runs.jsonl`: every run).") if seeds else ""
+    links = []
+    for r in rows:
+        runs = r.get("runs") or [r.get("run")]
+        links.append(f"{r['variant']}: " + ", ".join(f"[{x}]({x}/report.md)" for x in runs if x))
+    text = [f"# fedsim sweep: {base.get('name', 'sweep')}\n",
+            f"{len(rows)} variants; {fed['rounds']} rounds, {fed['num_clients']} clients, data "
+            f"{base['data']['dataset']}, model {base['model']['name']}, lr {train['lr']}, batch "
+            f"{train['batch_size']}. Accuracy/loss: global model on the test set after the last round"
+            + ("; other `*_accuracy` columns: what defenses and observers report in the last round (e.g. "
+               "FedKL's own-key and random-key accuracies). " if any("." in k and k.endswith("_accuracy") for k in cols) else ". ")
+            + "Leakage columns: mean over the attacked updates (`<attack>.psnr` in dB, `.ssim`, `.label_acc`, "
+            "`.success_content` = share of images with SSIM >= the threshold). `round_seconds`: median wall time "
+            "of rounds >= 2 (training, aggregation, evaluation; attacks are timed apart); `time_ratio`: relative to "
+            f"the first variant.{repeat}\n",
+            comparison_table(rows, cols, table_formats(cols)),
+            "\n![comparison](comparison.png)\n",
+            "\nEach run's own report: " + "; ".join(links) + "\n"]
+    atomic_write_text(out_dir / "report.md", "\n".join(text))

@@ -1,0 +1,248 @@
+"""Comparing runs: one row per run, mean ± std over seeds, and the comparison figure.
+
+Used by sweeps (``fedsim sweep``: every variant, repeated over ``seeds = [...]``) and by ``fedsim
+compare RUN...`` (existing run or sweep folders). Everything is read back from run folders
+(``summary.json``, ``metrics.jsonl``), so a comparison never needs the runs' processes.
+
+* :func:`run_row` - a run's row: final accuracy and loss, median round time, client failures, DP
+  epsilon, and the leakage columns of every observer (``<attack>.psnr``, ``.ssim``, ...);
+* :func:`mean_std_rows` - rows of the same variant over several seeds -> one row with the mean of
+  every numeric column and ``<column>_std`` (sample standard deviation, ``ddof = 1``);
+* :func:`plot_comparison` - ``comparison.png``: test accuracy against the round for every variant
+  (mean over seeds, a band of ± one standard deviation) and, when the runs were attacked, the
+  privacy-utility scatter (final accuracy against leakage, error bars over seeds);
+* :func:`comparison_table` - the markdown table (``mean ± std`` cells when there are seeds).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from fedsim.reports import md_table, read_jsonl
+
+ID_COLUMNS = ("variant", "run", "seed", "seeds", "runs", "n")
+
+
+def run_row(label: str, run_dir: str | Path) -> dict[str, Any]:
+    """One run folder as a row (see the module docstring)."""
+    run_dir = Path(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    train_rounds = [r for r in rows if r["round"] >= 2] or [r for r in rows if r["round"] >= 1]
+    secs = [r["seconds"] for r in train_rounds]
+    row: dict[str, Any] = {"variant": label, "status": summary.get("status", "completed"),
+                           "accuracy": summary.get("final_accuracy"),
+                           "loss": summary.get("final_loss"),
+                           "round_seconds": float(np.median(secs)) if secs else None,
+                           "failures": summary.get("client_failures", 0), "run": run_dir.name}
+    last = rows[-1] if rows else {}
+    if last.get("client_accuracy") is not None:  # client-side evaluation
+        row["client_accuracy"] = last["client_accuracy"]
+        row["client_accuracy_min"] = last.get("client_accuracy_min")
+    for k, v in last.items():  # other accuracies defenses and observers report (e.g. FedKL's random key)
+        if "." in k and k.endswith("_accuracy") and _number(v):
+            row[k] = v
+    eps = [v for k, v in last.items() if k.endswith(".epsilon") and v is not None]
+    if eps:  # DP accounting reported by the clients' defenses (example-weighted mean over the clients)
+        row["epsilon"] = max(eps)
+    # leakage entries of observers (the curious server's "leakage", seed 002's curious client's
+    # "client_leakage"); an entry's "columns" names the keys to show (default: the curious server's)
+    for leak in [*summary.get("leakage", []), *summary.get("client_leakage", [])]:
+        a = leak["attack"]
+        for k in leak.get("columns", ("psnr", "ssim", "label_acc", "success_content")):
+            row[f"{a}.{k}"] = leak.get(k)
+    return row
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v is not None and math.isfinite(float(v))
+
+
+def mean_std_rows(label: str, rows: Sequence[Mapping[str, Any]], seeds: Sequence[int] = ()) -> dict[str, Any]:
+    """One row for a variant run over several seeds: every numeric column's mean, and ``<column>_std``
+    (sample standard deviation over the runs that have the column; absent for a single run)."""
+    out: dict[str, Any] = {"variant": label, "n": len(rows)}
+    if seeds:
+        out["seeds"] = list(seeds)
+    out["runs"] = [r.get("run") for r in rows]
+    cols: dict[str, None] = {}
+    for r in rows:
+        for k in r:
+            if k not in ID_COLUMNS:
+                cols.setdefault(k, None)
+    for c in cols:
+        vals = [float(r[c]) for r in rows if _number(r.get(c))]
+        if not vals:
+            out[c] = None
+            continue
+        out[c] = float(np.mean(vals))
+        if len(rows) > 1:
+            out[f"{c}_std"] = float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+    if len(rows) == 1:
+        out["run"] = rows[0].get("run")
+    return out
+
+
+def leak_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The leakage columns (``<attack>.<metric>``) of rows, grouped by attack."""
+    return sorted({k for r in rows for k in r if "." in k and not k.endswith(("_std", "_accuracy"))},
+                  key=lambda k: (k.split(".")[0], k))
+
+
+def accuracy_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Other accuracies (``<who>.<what>_accuracy``) reported by defenses and observers."""
+    return sorted({k for r in rows for k in r if "." in k and k.endswith("_accuracy")})
+
+
+def comparison_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
+                     fmt: Mapping[str, str] | None = None) -> str:
+    """A markdown table; a column whose ``<column>_std`` is in a row shows ``mean ± std``."""
+    fmt = dict(fmt or {})
+    shown = []
+    for r in rows:
+        s = dict(r)
+        for c in columns:
+            std = r.get(f"{c}_std")
+            if std is not None and _number(r.get(c)):
+                f = fmt.get(c, ".4g")
+                s[c] = f"{format(float(r[c]), f)} ± {format(float(std), f)}"
+        shown.append(s)
+    return md_table(shown, columns, fmt)
+
+
+def accuracy_curve(run_dirs: Sequence[str | Path]) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """(rounds, mean accuracy, std) over runs (rounds where every run has an accuracy)."""
+    per_run = []
+    for d in run_dirs:
+        per_run.append({r["round"]: r["accuracy"] for r in read_jsonl(Path(d) / "metrics.jsonl")
+                        if r.get("accuracy") is not None})
+    rounds = sorted(set.intersection(*(set(m) for m in per_run))) if per_run else []
+    acc = np.array([[m[k] for k in rounds] for m in per_run], dtype=float).reshape(len(per_run), len(rounds))
+    std = acc.std(0, ddof=1) if len(per_run) > 1 else np.zeros(len(rounds))
+    return rounds, acc.mean(0) if len(per_run) else np.zeros(0), std
+
+
+def plot_comparison(groups: Sequence[tuple[str, Sequence[str | Path]]], rows: Sequence[Mapping[str, Any]],
+                    path: str | Path, title: str = "") -> str | None:
+    """``comparison.png``: accuracy vs round per group (label, run folders) and, when ``rows`` (the
+    groups' mean rows, same order) have leakage columns, final accuracy vs the first SSIM (else PSNR)
+    column of every attack. Returns the leakage metric plotted (or None)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedsim.reports import save_figure
+
+    leaks = leak_columns(rows)
+    metric = "ssim" if any(c.endswith(".ssim") for c in leaks) else ("psnr" if any(c.endswith(".psnr") for c in leaks)
+                                                                    else None)
+    fig, axes = plt.subplots(1, 2 if metric else 1, figsize=(10 if metric else 5.5, 3.6), squeeze=False)
+    ax = axes[0][0]
+    colors: dict[str, Any] = {}
+    for k, (label, dirs) in enumerate(groups):
+        colors[label] = f"C{k % 10}"
+        rounds, mean, std = accuracy_curve(dirs)
+        if not rounds:
+            continue
+        ax.plot(rounds, mean, marker="o", markersize=3, color=colors[label],
+                label=f"{label}" + (f" (n={len(dirs)})" if len(dirs) > 1 else ""))
+        if len(dirs) > 1:
+            ax.fill_between(rounds, mean - std, mean + std, color=colors[label], alpha=0.2)
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    ax.set_title("accuracy (mean ± std over seeds)" if any(len(d) > 1 for _, d in groups) else "accuracy",
+                 fontsize=9)
+    if metric:
+        ax2 = axes[0][1]
+        attacks = sorted({c.split(".")[0] for c in leaks if c.endswith("." + metric)})
+        markers = "osD^v<>P*X"
+        for j, a in enumerate(attacks):
+            col = f"{a}.{metric}"
+            pts = [r for r in rows if _number(r.get(col)) and _number(r.get("accuracy"))]
+            for r in pts:
+                ax2.errorbar(r["accuracy"], r[col], xerr=r.get("accuracy_std"), yerr=r.get(f"{col}_std"),
+                             marker=markers[j % len(markers)], linestyle="none", capsize=2,
+                             color=colors.get(str(r["variant"]), "k"),
+                             label=a if r is pts[0] and len(attacks) > 1 else None)
+                ax2.annotate(str(r["variant"]), (r["accuracy"], r[col]), fontsize=6, xytext=(3, 3),
+                             textcoords="offset points")
+        if len(attacks) > 1:
+            ax2.legend(fontsize=7, title="attack (marker)", title_fontsize=7)
+        ax2.set_xlabel("final test accuracy (utility)")
+        ax2.set_ylabel(f"{metric.upper()} of the reconstruction (leakage)")
+        ax2.grid(alpha=0.3)
+        ax2.set_title(f"privacy-utility ({', '.join(attacks)}; lower-right is better)", fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    save_figure(fig, path)
+    plt.close(fig)
+    return metric
+
+
+def run_folders(path: str | Path) -> list[tuple[str, list[Path]]]:
+    """What ``fedsim compare`` reads from one argument: a run folder (one entry, labelled with its
+    folder name), or a sweep folder (one entry per variant, with its seeds' runs)."""
+    p = Path(path)
+    if (p / "summary.json").is_file() and (p / "metrics.jsonl").is_file():
+        return [(p.name, [p])]
+    if (p / "sweep.jsonl").is_file():
+        out = []
+        for r in read_jsonl(p / "sweep.jsonl"):
+            runs = r.get("runs") or [r.get("run")]
+            out.append((str(r["variant"]), [p / str(x) for x in runs if x]))
+        return out
+    raise ValueError(f"{str(p)!r} is neither a run folder (summary.json, metrics.jsonl) nor a sweep folder "
+                     "(sweep.jsonl); an unfinished run has no summary.json yet")
+
+
+def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparison") -> list[dict[str, Any]]:
+    """``fedsim compare``: rows (mean ± std over a sweep variant's seeds), ``comparison.md``,
+    ``comparison.csv`` and ``comparison.png`` in ``out``. Returns the rows."""
+    from fedsim.export import write_csv
+    from fedsim.reports import atomic_write_text
+
+    groups: list[tuple[str, list[Path]]] = []
+    for p in paths:
+        groups += run_folders(p)
+    labels = [g[0] for g in groups]
+    groups = [(f"{lab} [{i}]" if labels.count(lab) > 1 else lab, dirs) for i, (lab, dirs) in enumerate(groups)]
+    rows = [mean_std_rows(label, [run_row(label, d) for d in dirs]) for label, dirs in groups]
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_comparison(groups, rows, out / "comparison.png", title)
+    cols = table_columns(rows)
+    write_csv(out / "comparison.csv", rows)
+    text = [f"# fedsim comparison: {title}\n",
+            "Accuracy/loss: the global model on the test set after the last round; leakage columns: mean over "
+            "the attacked updates; `round_seconds`: median wall time of rounds >= 2. Sweep variants with several "
+            "seeds show mean ± sample standard deviation.\n",
+            comparison_table(rows, cols, table_formats(cols)),
+            "\n![comparison](comparison.png)\n",
+            "Runs: " + ", ".join(f"{label}: " + ", ".join(str(d) for d in dirs) for label, dirs in groups) + "\n"]
+    atomic_write_text(out / "comparison.md", "\n".join(text))
+    return rows
+
+
+def table_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    extra = [c for c in ("client_accuracy", "epsilon") if any(c in r for r in rows)]
+    status = ["status"] if any(r.get("status") not in (None, "completed") for r in rows) else []
+    cols = ["variant", *status, "accuracy", *accuracy_columns(rows), "loss", *extra, *leak_columns(rows), "round_seconds"]
+    if any("time_ratio" in r for r in rows):
+        cols.append("time_ratio")
+    return cols + ["failures"]
+
+
+def table_formats(cols: Sequence[str]) -> dict[str, str]:
+    fmt = {c: ".3f" for c in cols}
+    fmt.update({c: ".2f" for c in cols if c.endswith("psnr") or c in ("round_seconds", "time_ratio")})
+    fmt["failures"] = ".3g"
+    return fmt

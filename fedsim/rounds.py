@@ -1,0 +1,360 @@
+"""The server's round engine and the typed record of what happened in a round.
+
+:class:`RoundEngine` runs one federated round on a Flower ``Grid`` by composing the three seams of
+:mod:`fedsim.seams` (aggregation rule, channel, server transforms):
+
+1. the global model goes through the transforms' ``before_send`` and the channel's ``outgoing``;
+2. the sampled clients (partitions drawn from (seed, round)) get a ``train`` message each;
+3. error replies and unusable payloads become recorded failures (not fatal); every valid reply is
+   shown to the observers (the interception point, before aggregation) through the channel's view;
+4. the rule aggregates (through the channel), the transforms' ``after_aggregate`` run in reverse.
+
+It returns the new global state and a :class:`RoundRecord`; evaluating, notifying observers of the
+round's end, writing metrics and printing progress is the server loop's round-end step
+(``fedsim.app.server``). The engine also discovers the nodes: it waits until every configured
+client is registered and maps node ids to partition ids, so sampling can reach every partition.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
+
+from fedsim.observers import ClientUpdate, Observer
+from fedsim.protocol import (
+    ARRAYS,
+    CLIENT_ID_KEYS,
+    CONFIG,
+    ERROR,
+    ERROR_REASON,
+    EVAL_ACCURACY,
+    EVAL_LOSS,
+    EVALUATE,
+    EXTRAS,
+    HOSTED_PARTITIONS,
+    METRICS,
+    NUM_EXAMPLES,
+    PARTITION_ID,
+    PARTITIONS,
+    QUERY,
+    decode_arrays,
+    for_partition,
+    num_nodes,
+    recipe_of,
+    train_config,
+)
+from fedsim.seams import AggregationRule, ChannelError, ServerChannel, ServerTransform
+from fedsim.training import derive_seed
+
+log = logging.getLogger("fedsim")
+
+
+class DiscoveryError(RuntimeError):
+    """Not every configured client could be reached."""
+
+
+def sample_partitions(seed: int, round: int, partitions: Sequence[int], k: int) -> list[int]:
+    """``k`` partitions (all when k <= 0), drawn from (seed, round) only."""
+    parts = sorted(partitions)
+    if k <= 0 or k >= len(parts):
+        return parts
+    rng = np.random.default_rng(derive_seed(seed, round, 0x5A3))
+    return sorted(rng.choice(parts, size=k, replace=False).tolist())
+
+
+class Reply:
+    """One valid client reply as the server holds it; arrays are decoded once, on first use.
+
+    A node serving several partitions (virtual clients) answers for all of them in one message; each
+    partition's records carry the suffix ``@<partition>`` and :meth:`record` reads through it."""
+
+    def __init__(self, message: Message, partition: int, suffix: str = ""):
+        self.message = message
+        self.node_id = message.metadata.src_node_id
+        self.partition = partition
+        self.suffix = suffix
+        self.metrics: dict[str, Any] = dict(self.record(METRICS)) if self.has(METRICS) else {}
+        self.num_examples = int(self.metrics.get(NUM_EXAMPLES, 0))
+        self._arrays: list[np.ndarray] | None = None
+        self.extra: dict[str, Any] = {}  # what the channel parsed from the payload
+        self.contributors: list[int] = []  # for a reply that stands for several clients (secure aggregation)
+
+    def has(self, name: str) -> bool:
+        return name + self.suffix in self.message.content
+
+    def record(self, name: str) -> Any:
+        """This client's record ``name`` (one of fedsim.protocol's record names)."""
+        return self.message.content[name + self.suffix]
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        if self._arrays is None:
+            self._arrays = decode_arrays(self.record(ARRAYS), writable=False)
+        return self._arrays
+
+
+@dataclass
+class RoundRecord:
+    """What happened in one round (the strategy's account; the round-end step adds the evaluation)."""
+
+    round: int
+    sampled: list[int] = field(default_factory=list)  # partition ids sent a train message
+    contributors: list[int] = field(default_factory=list)  # partition ids whose reply was aggregated
+    failures: list[dict[str, Any]] = field(default_factory=list)  # this round's recorded failures
+    train_metrics: dict[str, float] = field(default_factory=dict)  # example-weighted mean of the replies
+    rule_metrics: dict[str, float] = field(default_factory=dict)
+    transform_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # by transform name
+    channel_metrics: dict[str, float] = field(default_factory=dict)
+    seconds: float = 0.0  # training exchange + aggregation (+ evaluation, set by the round-end step)
+
+    @property
+    def replies(self) -> int:
+        return len(self.contributors)
+
+    def row(self) -> dict[str, Any]:
+        """The round's items of a ``metrics.jsonl`` row."""
+        out: dict[str, Any] = {"round": self.round, "replies": self.replies, "failures": len(self.failures)}
+        out.update({k: v for k, v in self.train_metrics.items() if k not in CLIENT_ID_KEYS})
+        out.update({f"strategy.{k}": v for k, v in self.rule_metrics.items()})
+        out.update({f"channel.{k}": v for k, v in self.channel_metrics.items()})
+        for name, m in self.transform_metrics.items():
+            out.update({f"{name}.{k}": v for k, v in m.items()})
+        return out
+
+
+@dataclass
+class RoundContext:
+    """Handed to rules and transforms during a round: the grid, the channel, what was sent."""
+
+    engine: "RoundEngine"
+    grid: Grid
+    round: int
+    channel: ServerChannel
+    config: ConfigRecord
+    sent: list[np.ndarray] | None  # the plaintext model the clients received (None if encrypted)
+    record: RoundRecord
+    replies: list[Reply] = field(default_factory=list)  # the round's valid replies (what was aggregated)
+    weights: list[float] | None = None  # the weights a weighted-sum rule used
+
+    def send(self, partitions: Sequence[int], message_type: str, shared: RecordDict,
+             per_partition: Mapping[int, Mapping[str, Any]] | None = None, stage: str = "train") -> list[Reply]:
+        """Send to clients (partition ids); the valid replies, sorted by partition. Failures are recorded."""
+        return self.engine.send(self.grid, partitions, message_type, shared, per_partition, stage, self.round,
+                                self.record)
+
+
+class RoundEngine:
+    """Runs rounds of one federation (see the module docstring)."""
+
+    def __init__(self, cfg: Mapping[str, Any], param_names: Sequence[str], rule: AggregationRule,
+                 channel: ServerChannel, transforms: Sequence[ServerTransform] = (),
+                 observers: Sequence[Observer] = (), timeout: float | None = 3600.0,
+                 fixed_partitions: Sequence[int] | None = None):
+        self.cfg = cfg
+        self.param_names = list(param_names)
+        self.rule, self.channel, self.transforms = rule, channel, list(transforms)
+        self.observers = list(observers)
+        self.timeout = timeout
+        self.fixed_partitions = list(fixed_partitions) if fixed_partitions is not None else None
+        self.clients_per_node = int(cfg.get("simulation", {}).get("clients_per_node", 1) or 1)
+        self.virtual = self.clients_per_node > 1
+        self.node_partitions: dict[int, list[int]] = {}
+        self.partition_node: dict[int, int] = {}
+        self.failures: list[dict[str, Any]] = []
+        for c in (channel, rule, *self.transforms):
+            c.setup(self.param_names, cfg)
+
+    # ---- discovery ---------------------------------------------------------------------------------
+    def discover(self, grid: Grid, wait: float = 120.0, poll: float = 0.05) -> dict[int, int]:
+        """Wait until every node the federation needs is registered, then ask each which partitions it
+        serves; every partition must be served. Raises :class:`DiscoveryError` naming what is missing.
+        Returns the partition -> node map."""
+        clients = int(self.cfg["federation"]["num_clients"])
+        expected = num_nodes(clients, self.clients_per_node)
+        deadline = time.monotonic() + wait
+        nodes = list(grid.get_node_ids())
+        while len(nodes) < expected and time.monotonic() < deadline:
+            time.sleep(poll)
+            nodes = list(grid.get_node_ids())
+        if len(nodes) < expected:
+            raise DiscoveryError(f"only {len(nodes)} of the {expected} client nodes the federation needs "
+                                 f"(federation.num_clients = {clients}, simulation.clients_per_node = "
+                                 f"{self.clients_per_node}) registered within {wait:.0f} s")
+        content = RecordDict({CONFIG: train_config(self.cfg, 0)})
+        record = RoundRecord(0)
+        msgs = [Message(content, dst_node_id=n, message_type=QUERY) for n in nodes]
+        for reply in self._send(grid, msgs, "query", 0, record, {}):
+            m = reply.content[METRICS]
+            hosted = [int(p) for p in m[HOSTED_PARTITIONS]] if HOSTED_PARTITIONS in m else [int(m[PARTITION_ID])]
+            self.node_partitions[reply.metadata.src_node_id] = hosted
+            for p in hosted:
+                self.partition_node[p] = reply.metadata.src_node_id
+        missing = sorted(set(range(clients)) - set(self.partition_node))
+        if missing:
+            first = record.failures[0]["reason"].splitlines()[-1] if record.failures else "no failure recorded"
+            raise DiscoveryError(f"{len(missing)} of {clients} partitions have no reachable node "
+                                 f"(e.g. {missing[:5]}); first failure: {first}")
+        return dict(self.partition_node)
+
+    # ---- sampling and exchanges --------------------------------------------------------------------
+    def sample(self, server_round: int) -> list[int]:
+        if self.fixed_partitions is not None:
+            return list(self.fixed_partitions)
+        return sample_partitions(self.cfg["seed"], server_round, list(self.partition_node),
+                                 int(self.cfg["federation"]["clients_per_round"]))
+
+    def _send(self, grid: Grid, messages: list[Message], stage: str, server_round: int,
+              record: RoundRecord, by_node: Mapping[int, list[int]]) -> list[Message]:
+        """send_and_receive; error replies recorded as failures (of every partition the node was asked
+        for); every message must be answered."""
+        replies = list(grid.send_and_receive(messages, timeout=self.timeout))
+        if len(replies) < len(messages):
+            got = {r.metadata.src_node_id for r in replies}
+            lost = [by_node.get(m.metadata.dst_node_id, m.metadata.dst_node_id)
+                    for m in messages if m.metadata.dst_node_id not in got]
+            raise RuntimeError(f"round {server_round} ({stage}): {len(messages)} messages sent, "
+                               f"{len(replies)} replies received; no reply from clients {lost[:10]}")
+        valid = []
+        for r in replies:
+            if r.has_error():
+                node = r.metadata.src_node_id
+                for p in by_node.get(node) or [None]:
+                    self.record_failure(record, server_round, node, stage, r.error.reason if r.error else "unknown",
+                                        partition=p)
+            else:
+                valid.append(r)
+        return valid
+
+    def send(self, grid: Grid, partitions: Sequence[int], message_type: str, shared: RecordDict,
+             per_partition: Mapping[int, Mapping[str, Any]] | None, stage: str, server_round: int,
+             record: RoundRecord) -> list[Reply]:
+        """One message per node serving some of ``partitions``: the ``shared`` records, plus each
+        partition's own records (suffixed ``@<partition>`` and listed under ``PARTITIONS`` when a node
+        serves several). Returns the valid replies, one per partition, sorted by partition (replies
+        arrive in completion order; sorting keeps float sums, and runs, reproducible)."""
+        per_partition = per_partition or {}
+        by_node: dict[int, list[int]] = {}
+        for p in sorted(partitions):
+            by_node.setdefault(self.partition_node[p], []).append(p)
+        messages = []
+        for node, parts in by_node.items():
+            if not self.virtual:
+                own = per_partition.get(parts[0], {})
+                content = shared if not own else RecordDict({**dict(shared.items()), **own})
+            else:
+                content = RecordDict()
+                for k, v in shared.items():
+                    content[k] = ConfigRecord({**dict(v), PARTITIONS: parts}) if k == CONFIG else v
+                for p in parts:
+                    for k, v in per_partition.get(p, {}).items():
+                        content[for_partition(k, p)] = v
+            messages.append(Message(content=content, dst_node_id=node, message_type=message_type))
+        out = []
+        for m in self._send(grid, messages, stage, server_round, record, by_node):
+            parts = by_node[m.metadata.src_node_id]
+            if not self.virtual:
+                out.append(Reply(m, parts[0]))
+                continue
+            for p in parts:
+                err = for_partition(ERROR, p)
+                if err in m.content:
+                    self.record_failure(record, server_round, m.metadata.src_node_id, stage,
+                                        m.content[err][ERROR_REASON], partition=p)
+                else:
+                    out.append(Reply(m, p, "@" + str(p)))
+        return sorted(out, key=lambda r: r.partition)
+
+    def record_failure(self, record: RoundRecord, server_round: int, node: int, stage: str, reason: Any,
+                       partition: int | None = None) -> None:
+        f = {"round": server_round, "stage": stage, "node": node, "client": partition,
+             "reason": str(reason)[-2000:]}
+        record.failures.append(f)
+        self.failures.append(f)
+        log.warning("client %s failed in %s round %d: %s", partition if partition is not None else f"node {node}",
+                    stage, server_round, str(reason).splitlines()[-1] if reason else "")
+
+    # ---- one round -----------------------------------------------------------------------------------
+    def run_round(self, grid: Grid, server_round: int, state: Any) -> tuple[Any, RoundRecord]:
+        record = RoundRecord(server_round)
+        sent = self.channel.plaintext(state)
+        if sent is not None and self.transforms:
+            for t in self.transforms:
+                sent = t.before_send(server_round, sent)
+            state_out = self.channel.initial(sent)
+        else:
+            state_out = state
+        config = train_config(self.cfg, server_round)
+        self.rule.configure_train(server_round, config)
+        content = RecordDict({CONFIG: config, **self.channel.outgoing(state_out)})
+        for t in self.transforms:
+            for k, v in t.message_extras(server_round).items():
+                if k in content and isinstance(v, ArrayRecord) and isinstance(content[k], ArrayRecord):
+                    clash = set(v.keys()) & set(content[k].keys())
+                    if clash:
+                        raise RuntimeError(f"transforms send the same extra array twice: {sorted(clash)[:3]}")
+                    v = ArrayRecord({**dict(content[k].items()), **dict(v.items())})
+                content[k] = v
+        record.sampled = self.sample(server_round)
+        ctx = RoundContext(self, grid, server_round, self.channel, config, sent, record)
+        replies = []
+        for r in self.channel.train_exchange(ctx, record.sampled, content):
+            try:
+                self.channel.accept(r)
+            except ChannelError as exc:
+                self.record_failure(record, server_round, r.node_id, "train", f"ChannelError: {exc}",
+                                    partition=r.partition)
+                continue
+            replies.append(r)
+        ctx.replies = replies
+        self._notify(server_round, replies, sent, config)
+        record.contributors = [p for r in replies for p in (r.contributors or [r.partition])]
+        if not replies:
+            return state, record
+        record.train_metrics = dict(aggregate_metricrecords(
+            [RecordDict({METRICS: r.record(METRICS)}) for r in replies], NUM_EXAMPLES))
+        new_state = self.rule.aggregate(ctx, replies)
+        record.rule_metrics = dict(self.rule.metrics())
+        if self.transforms:
+            arrays = self.channel.plaintext(new_state)
+            for t in reversed(self.transforms):
+                arrays = t.after_aggregate(ctx, arrays)
+                record.transform_metrics[t.name] = dict(t.metrics())
+            new_state = self.channel.initial(arrays)
+        record.channel_metrics = dict(self.channel.metrics())
+        return new_state, record
+
+    def _notify(self, server_round: int, replies: list[Reply], sent: list[np.ndarray] | None,
+                config: ConfigRecord) -> None:
+        if not self.observers:
+            return
+        recipe = recipe_of(config)
+        for r in replies:
+            view = self.channel.client_view(r)
+            extras = (lambda r=r: dict(zip(r.record(EXTRAS).keys(), decode_arrays(r.record(EXTRAS), False)))) \
+                if r.has(EXTRAS) else None
+            upd = ClientUpdate(round=server_round, client_id=r.partition, node_id=r.node_id,
+                               global_weights=sent if sent is not None else (), num_examples=r.num_examples,
+                               recipe=recipe, metrics=r.metrics, param_names=self.param_names, extras=extras,
+                               **view)
+            for obs in self.observers:
+                obs.observe(upd)
+
+    # ---- evaluation by a client (when the server cannot read the model) ------------------------------
+    def evaluate_remote(self, grid: Grid, server_round: int, state: Any, record: RoundRecord,
+                        partitions: Sequence[int]) -> tuple[float, float, int] | None:
+        """Ask the first of ``partitions`` that answers to evaluate the global state on the common test
+        split; returns (loss, accuracy, partition) or None if none could."""
+        config = train_config(self.cfg, server_round)
+        content = RecordDict({CONFIG: config, **self.channel.outgoing(state)})
+        for p in partitions:
+            replies = self.send(grid, [p], EVALUATE, content, None, "evaluate", server_round, record)
+            if replies:
+                m = replies[0].metrics
+                return float(m[EVAL_LOSS]), float(m[EVAL_ACCURACY]), p
+        return None

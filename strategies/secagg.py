@@ -1,0 +1,504 @@
+"""Flower's SecAgg+ as a channel, server half: ``[channel] name = "secagg+"``.
+
+The round's training exchange is Flower's own protocol (``flwr.server.workflow.SecAggPlusWorkflow``,
+Bell et al. 2020's SecAgg+ as implemented in Flower 1.41; nothing here masks or unmasks anything):
+
+* ``train_exchange`` builds a ``flwr.server.LegacyContext`` around the round (the global model under
+  ``parameters``, the round under ``config``) with a legacy ``Strategy`` adapter whose
+  ``configure_fit`` targets exactly the engine's sampled partitions (the ``FitIns`` carry fedsim's train
+  ``ConfigRecord`` and the global arrays) and whose ``aggregate_fit`` captures the unmasked aggregate,
+  the contributors, their example counts and metrics;
+* the workflow runs its four stages on a view of the round's grid (:class:`ProtocolGrid`) that adds
+  fedsim's ``CONFIG`` record to every message (the ClientApp needs the config to know the channel),
+  the channel's settings and the transforms' extras to the ``collect_masked_vectors`` message (the one
+  that trains), records each client's failures and simulates the configured dropouts;
+* the clients' half (``clients/secagg.py``) runs Flower's ``secaggplus_mod`` around fedsim's own local
+  training; each client uploads ``[w, w * params]`` quantized and masked, with ``w`` its example count
+  over ``max_weight``: the unmasked result is FedAvg's example-weighted mean (up to the quantization).
+
+The server sees one aggregate per round: ``train_exchange`` returns a single :class:`fedsim.rounds.Reply`
+standing for every contributor (``Reply.contributors``; its ``partition`` is ``AGGREGATE`` = -1), and
+observers get it as a ``ClientUpdate`` of kind ``"aggregate"``. What the server still learns: the
+aggregate, who contributed, each contributor's example count and training metrics (Flower's FitRes
+metrics travel in the clear), and who dropped out when (docs/secagg.md).
+
+Dropouts (``dropout_fraction`` / ``dropout_clients`` at ``dropout_stage``, in ``dropout_rounds``): a
+dropped client gets no message from that stage on, exactly as if it had vanished. Flower recovers the
+masks of clients that drop after sharing their keys from the survivors' Shamir shares; with fewer than
+``reconstruction_threshold`` survivors in a neighbourhood the protocol halts, every sampled client is
+recorded as failed and the server stops or goes on with the global model unchanged (``on_failure``).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common import FitIns, Parameters, parameters_to_ndarrays
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.server import LegacyContext
+from flwr.server.compat.grid_client_proxy import GridClientProxy
+from flwr.server.strategy import Strategy
+from flwr.server.workflow import SecAggPlusWorkflow
+from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
+from flwr.server.workflow.constant import Key as WorkflowKey
+from flwr.serverapp import Grid
+
+from fedsim.components import CHANNELS
+from fedsim.protocol import (
+    ARRAYS,
+    CHANNEL,
+    CLIENT_ID_KEYS,
+    CLIPPED,
+    CODEC,
+    CONFIG,
+    METRICS,
+    NOISE_VARIANCE,
+    NUM_EXAMPLES,
+    TRAIN,
+    arrays_record,
+)
+from fedsim.rounds import Reply, RoundContext
+from fedsim.seams import EXAMPLE_WEIGHTED_MEAN, PLAINTEXT_AGGREGATE, ChannelError, ServerChannel
+from fedsim.training import derive_seed
+
+AGGREGATE = -1  # the partition id of a reply that stands for several clients
+
+#: Flower's stage names, in protocol order; a client dropping out "at" a stage never answers it
+STAGES = (Stage.SETUP, Stage.SHARE_KEYS, Stage.COLLECT_MASKED_VECTORS, Stage.UNMASK)
+STAGE_MEANING = {
+    Stage.SETUP: "before the protocol starts (never sends its public keys)",
+    Stage.SHARE_KEYS: "after sending its public keys, before sharing its key shares",
+    Stage.COLLECT_MASKED_VECTORS: "after sharing its key shares, before training and sending its masked model",
+    Stage.UNMASK: "after sending its masked model, before sending the shares that unmask the sum",
+}
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+class _RoundStrategy(Strategy):
+    """The legacy Strategy the workflow talks to, for one round: it samples nothing (the engine did)
+    and aggregates nothing (the protocol did); it records what the protocol gives it."""
+
+    def __init__(self, proxies: list[GridClientProxy], config: ConfigRecord):
+        self.proxies, self.config = proxies, config
+        self.results: list[tuple[Any, Any]] | None = None
+        self.parameters: Parameters | None = None
+
+    def initialize_parameters(self, client_manager: Any) -> Parameters | None:
+        return None
+
+    def configure_fit(self, server_round: int, parameters: Parameters, client_manager: Any) -> list[tuple[Any, FitIns]]:
+        ins = FitIns(parameters, dict(self.config.items()))  # fedsim's train ConfigRecord, the global arrays
+        return [(p, ins) for p in self.proxies]
+
+    def aggregate_fit(self, server_round: int, results: list, failures: list) -> tuple[Parameters | None, dict]:
+        # every FitRes carries the same, already unmasked aggregate
+        self.results = list(results)
+        self.parameters = results[0][1].parameters if results else None
+        return self.parameters, {}
+
+    def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: Any) -> list:
+        return []
+
+    def aggregate_evaluate(self, server_round: int, results: list, failures: list) -> tuple[None, dict]:
+        return None, {}
+
+    def evaluate(self, server_round: int, parameters: Parameters) -> None:
+        return None
+
+
+class _Workflow(SecAggPlusWorkflow):
+    """Flower's workflow, plus one repair for clients that vanish before they have shared their keys.
+
+    In Flower 1.41 such a client stays among the sampled nodes: at the unmask stage its neighbours are
+    asked for shares of its key, which they never received (a ``KeyError`` on every neighbour) and the
+    server waits for shares that do not exist, so the round halts however many clients survive. No
+    mask involves such a client (a client masks only with the neighbours whose key shares it received),
+    so after the setup and share-keys stages it is removed from the sampled set and from every
+    neighbourhood, as if it had never been sampled. The last threshold check is kept for the report."""
+
+    last_check: tuple[str, int, int] | None = None  # (stage, fewest active neighbours, threshold)
+
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self._forget_absent = False
+        self._stage = ""
+
+    def setup_stage(self, grid: Grid, context: LegacyContext, state: Any) -> bool:
+        return self._run(Stage.SETUP, True, super().setup_stage, grid, context, state)
+
+    def share_keys_stage(self, grid: Grid, context: LegacyContext, state: Any) -> bool:
+        return self._run(Stage.SHARE_KEYS, True, super().share_keys_stage, grid, context, state)
+
+    def collect_masked_vectors_stage(self, grid: Grid, context: LegacyContext, state: Any) -> bool:
+        return self._run(Stage.COLLECT_MASKED_VECTORS, False, super().collect_masked_vectors_stage, grid,
+                         context, state)
+
+    def unmask_stage(self, grid: Grid, context: LegacyContext, state: Any) -> bool:
+        return self._run(Stage.UNMASK, False, super().unmask_stage, grid, context, state)
+
+    def _run(self, stage: str, forget: bool, step: Any, *args: Any) -> bool:
+        self._stage, self._forget_absent = stage, forget
+        try:
+            return step(*args)
+        finally:
+            self._forget_absent = False
+
+    def _check_threshold(self, state: Any) -> bool:
+        if self._forget_absent:
+            absent = set(state.sampled_node_ids) - set(state.active_node_ids)
+            if absent:
+                state.sampled_node_ids = set(state.sampled_node_ids) - absent
+                for nid in list(state.nid_to_neighbours):
+                    if nid in absent:
+                        del state.nid_to_neighbours[nid]
+                    else:
+                        state.nid_to_neighbours[nid] = state.nid_to_neighbours[nid] - absent
+        fewest = min((len(state.nid_to_neighbours[n] & state.active_node_ids) for n in state.sampled_node_ids),
+                     default=0)
+        self.last_check = (self._stage, fewest, int(state.threshold))
+        if len(state.sampled_node_ids) < max(2, int(state.threshold)):
+            return False  # (nearly) everyone vanished: Flower's per-node check would pass on an empty set
+        return super()._check_threshold(state)
+
+
+class ProtocolGrid(Grid):
+    """The round's grid as the SecAgg+ workflow sees it (see the module docstring)."""
+
+    def __init__(self, channel: "SecAggPlusChannel", ctx: RoundContext, node_partition: Mapping[int, int],
+                 content: RecordDict, dropped: Mapping[int, str]):
+        self.inner, self.channel, self.ctx = ctx.grid, channel, ctx
+        self.node_partition = dict(node_partition)
+        self.content = content
+        self.dropped = dict(dropped)  # partition -> the stage it drops out at
+        self.failed: dict[int, str] = {}  # partition -> the stage it failed in
+        self.replied: dict[str, list[int]] = {}  # stage -> partitions that answered it
+        self.stage_seconds: dict[str, float] = {}
+        self.messages = 0
+
+    # ---- the Grid API: only send_and_receive carries the protocol; the rest is delegated
+    def set_run(self, run: Any) -> None:
+        self.inner.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self.inner.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> list[int]:
+        return list(self.node_partition)
+
+    def push_messages(self, messages: Any) -> Any:
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Any) -> Any:
+        return self.inner.pull_messages(message_ids)
+
+    def _fail(self, partition: int, node: int, stage: str, reason: str) -> None:
+        if partition in self.failed:
+            return
+        self.failed[partition] = stage
+        self.ctx.engine.record_failure(self.ctx.record, self.ctx.round, node, f"secagg+ {stage}", reason,
+                                       partition=partition)
+
+    def send_and_receive(self, messages: Any, *, timeout: float | None = None) -> list[Message]:
+        t0 = time.perf_counter()
+        out: list[Message] = []
+        stage = ""
+        for m in messages:
+            stage = str(m.content.config_records[RECORD_KEY_CONFIGS][Key.STAGE])
+            node = m.metadata.dst_node_id
+            p = self.node_partition[node]
+            drop = self.dropped.get(p)
+            if drop is not None and STAGES.index(stage) >= STAGES.index(drop):
+                self._fail(p, node, stage, f"dropped out (simulated: channel.dropout_*) {STAGE_MEANING[drop]}")
+                continue
+            m.content[CONFIG] = self.content[CONFIG]  # the ClientApp reads the config (and the channel) here
+            if stage == Stage.COLLECT_MASKED_VECTORS:  # the stage that trains: the channel's settings, extras
+                m.content[CHANNEL] = ConfigRecord({CODEC: self.channel.codec})
+                for k, rec in self.content.items():
+                    if k not in (CONFIG, ARRAYS):
+                        m.content[k] = rec
+            out.append(m)
+        self.messages += len(out)
+        replies = list(self.inner.send_and_receive(out, timeout=timeout)) if out else []
+        got = {r.metadata.src_node_id for r in replies}
+        for m in out:
+            node = m.metadata.dst_node_id
+            if node not in got:
+                self._fail(self.node_partition[node], node, stage, f"no reply within {timeout} s")
+        ok = []
+        for r in replies:
+            node = r.metadata.src_node_id
+            if r.has_error():
+                self._fail(self.node_partition[node], node, stage, r.error.reason if r.error else "unknown error")
+            else:
+                ok.append(self.node_partition[node])
+        self.replied[stage] = sorted(ok)
+        self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + time.perf_counter() - t0
+        return replies
+
+
+@CHANNELS.register
+class SecAggPlusChannel(ServerChannel):
+    """Flower's SecAgg+ (parameters as Flower's ``SecAggPlusWorkflow``, plus dropouts and the failure
+    policy; docs/secagg.md):
+
+    * ``num_shares``: an odd integer >= 3 (each client's secrets are split among itself and
+      ``num_shares - 1`` neighbours), or a fraction in (0, 1] of the round's clients;
+    * ``reconstruction_threshold``: an integer >= 2 below ``num_shares`` (shares needed to recover a
+      secret), or a fraction in (0, 1] of ``num_shares``;
+    * ``clipping_range``, ``quantization_range``, ``modulus_range``: each client's weighted model is
+      clipped to [-c, c] and quantized to ``quantization_range`` levels, masks live modulo
+      ``modulus_range``;
+    * ``max_weight``: the largest example count a client may have (its weight is count / max_weight);
+    * ``timeout``: seconds to wait for each stage's replies (unset: the engine's timeout);
+    * ``on_failure``: ``"stop"`` or ``"continue"`` after a round that produced no aggregate;
+    * ``dropout_fraction`` / ``dropout_clients`` / ``dropout_stage`` / ``dropout_rounds``: simulated
+      dropouts (a share of the round's clients drawn from (seed, round), and/or these partition ids;
+      at one of Flower's stages ``setup``, ``share_keys``, ``collect_masked_vectors``, ``unmask``; in
+      these rounds, unset: every round).
+    """
+
+    name = "secagg+"
+    provides = frozenset({EXAMPLE_WEIGHTED_MEAN, PLAINTEXT_AGGREGATE})
+
+    def __init__(self, num_shares: int | float = 3, reconstruction_threshold: int | float = 2,
+                 clipping_range: float = 8.0, quantization_range: int = 2 ** 22, modulus_range: int = 2 ** 32,
+                 max_weight: float = 1000.0, timeout: float | None = None, on_failure: str = "stop",
+                 dropout_fraction: float = 0.0, dropout_clients: list[int] | None = None,
+                 dropout_stage: str = Stage.COLLECT_MASKED_VECTORS, dropout_rounds: list[int] | None = None):
+        if isinstance(num_shares, int):
+            if num_shares < 3 or num_shares % 2 == 0:
+                raise ValueError(
+                    f"channel.num_shares must be an odd integer >= 3 (or a fraction in (0, 1] of the round's "
+                    f"clients), got {num_shares}: with an even number Flower 1.41's SecAgg+ builds neighbourhoods "
+                    "one larger than the shares it makes, every client fails with an IndexError and the run "
+                    "still exits 0")
+        elif not 0 < num_shares <= 1:
+            raise ValueError(f"channel.num_shares as a number with a decimal point is a fraction of the round's "
+                             f"clients and must be in (0, 1], got {num_shares} (write an integer for a count)")
+        if isinstance(reconstruction_threshold, int):
+            if reconstruction_threshold < 2:
+                raise ValueError(f"channel.reconstruction_threshold must be an integer >= 2 (one share must not "
+                                 f"reveal a secret) or a fraction in (0, 1], got {reconstruction_threshold}")
+            if isinstance(num_shares, int) and reconstruction_threshold >= num_shares:
+                raise ValueError(f"channel.reconstruction_threshold ({reconstruction_threshold}) must be below "
+                                 f"channel.num_shares ({num_shares})")
+        elif not 0 < reconstruction_threshold <= 1:
+            raise ValueError(f"channel.reconstruction_threshold as a number with a decimal point is a fraction of "
+                             f"num_shares and must be in (0, 1], got {reconstruction_threshold}")
+        if not clipping_range > 0:
+            raise ValueError(f"channel.clipping_range must be > 0, got {clipping_range}")
+        if not 2 <= quantization_range < 2 ** 31:
+            raise ValueError(f"channel.quantization_range must be an integer in [2, 2^31) (Flower quantizes to "
+                             f"int32), got {quantization_range}")
+        if modulus_range <= quantization_range or modulus_range > 2 ** 32 or modulus_range & (modulus_range - 1):
+            raise ValueError(f"channel.modulus_range must be a power of 2 above quantization_range and at most "
+                             f"2^32, got {modulus_range}")
+        if not max_weight > 0:
+            raise ValueError(f"channel.max_weight must be > 0, got {max_weight}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"channel.timeout must be > 0 seconds or unset, got {timeout}")
+        if on_failure not in ("stop", "continue"):
+            raise ValueError(f"channel.on_failure must be \"stop\" or \"continue\", got {on_failure!r}")
+        if not 0 <= dropout_fraction < 1:
+            raise ValueError(f"channel.dropout_fraction must be in [0, 1), got {dropout_fraction}")
+        clients = [] if dropout_clients is None else dropout_clients
+        if not isinstance(clients, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
+                                                    for c in clients):
+            raise ValueError(f"channel.dropout_clients must be a list of partition ids, got {dropout_clients!r}")
+        if dropout_stage not in STAGES:
+            raise ValueError(f"channel.dropout_stage must be one of {list(STAGES)}, got {dropout_stage!r}")
+        rounds = dropout_rounds
+        if rounds is not None and not (isinstance(rounds, list) and all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rounds)):
+            raise ValueError(f"channel.dropout_rounds must be a list of round numbers >= 1 (unset: every "
+                             f"round), got {dropout_rounds!r}")
+        self.num_shares, self.threshold = num_shares, reconstruction_threshold
+        self.clipping_range, self.quantization_range = float(clipping_range), int(quantization_range)
+        self.modulus_range, self.max_weight = int(modulus_range), float(max_weight)
+        self.timeout, self.on_round_failure = timeout, on_failure
+        self.dropout_fraction, self.dropout_clients = float(dropout_fraction), sorted(set(clients))
+        self.dropout_stage, self.dropout_rounds = dropout_stage, rounds
+        self._metrics: dict[str, float] = {}
+
+    # ---- configuration --------------------------------------------------------------------------------
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        per_node = int(cfg.get("simulation", {}).get("clients_per_node", 1) or 1)
+        if per_node > 1:
+            raise ValueError(f"simulation.clients_per_node = {per_node} is not supported: Flower's SecAgg+ "
+                             "addresses nodes, and virtual clients share one (use clients_per_node = 1)")
+        fed = cfg["federation"]
+        n = int(fed["clients_per_round"] or fed["num_clients"])
+        if n < 2:
+            raise ValueError(f"SecAgg+ needs at least 2 clients per round (federation.clients_per_round / "
+                             f"num_clients give {n}): the sum of one client is that client's model")
+        if isinstance(self.threshold, int):
+            neighbours = min(self.num_shares, n) if isinstance(self.num_shares, int) else n
+            if self.threshold > neighbours:
+                raise ValueError(f"channel.reconstruction_threshold ({self.threshold}) exceeds the {neighbours} "
+                                 f"clients that can hold a share in a round of {n}: every round would fail")
+        if n * self.quantization_range >= self.modulus_range:
+            raise ValueError(f"channel.quantization_range ({self.quantization_range}) x {n} clients per round "
+                             f"must stay below channel.modulus_range ({self.modulus_range}): the sum would wrap")
+        bad = [c for c in self.dropout_clients if c >= int(fed["num_clients"])]
+        if bad:
+            raise ValueError(f"channel.dropout_clients {bad} are not partition ids (0..{fed['num_clients'] - 1})")
+        largest = self._largest_partition(cfg)
+        if largest is not None and largest > self.max_weight:
+            raise ValueError(f"channel.max_weight ({_fmt(self.max_weight)}) is below the largest client's example "
+                             f"count ({largest}): its weight would exceed 1 and its model be clipped")
+
+    @staticmethod
+    def _largest_partition(cfg: Mapping[str, Any]) -> int | None:
+        from fedsim.factories import partitions_for
+
+        try:
+            return max(len(p) for p in partitions_for(cfg))
+        except Exception:  # noqa: BLE001 - the dataset is not loadable here: each client checks at run time
+            return None
+
+    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
+        self.cfg = cfg
+        self.names = list(param_names)
+        # what the client half needs: the quantizer's settings, and the names legacy Parameters lack
+        self.codec = json.dumps({"clipping_range": self.clipping_range, "quantization_range": self.quantization_range,
+                                 "max_weight": self.max_weight, "names": self.names}, sort_keys=True)
+
+    def dropouts(self, server_round: int, partitions: Sequence[int]) -> dict[int, str]:
+        """Partition -> stage for this round's simulated dropouts (a pure function of seed and round)."""
+        if self.dropout_rounds is not None and server_round not in self.dropout_rounds:
+            return {}
+        chosen = {p for p in self.dropout_clients if p in partitions}
+        k = int(round(self.dropout_fraction * len(partitions)))
+        if k:
+            rng = np.random.default_rng(derive_seed(self.cfg["seed"], server_round, 0xD5))
+            chosen |= {int(p) for p in rng.choice(sorted(partitions), size=k, replace=False)}
+        return {p: self.dropout_stage for p in sorted(chosen)}
+
+    # ---- the round --------------------------------------------------------------------------------------
+    def outgoing(self, state: list[np.ndarray]) -> dict[str, Any]:
+        return {ARRAYS: arrays_record(self.names, state)}
+
+    def train_exchange(self, ctx: RoundContext, partitions: list[int], content: RecordDict) -> list[Reply]:
+        t0 = time.perf_counter()
+        engine = ctx.engine
+        node_partition = {engine.partition_node[p]: p for p in sorted(partitions)}
+        dropped = self.dropouts(ctx.round, partitions)
+        grid = ProtocolGrid(self, ctx, node_partition, content, dropped)
+        run_id = getattr(getattr(ctx.grid, "run", None), "run_id", 0) or 0
+        proxies = [GridClientProxy(n, grid, run_id) for n in node_partition]  # sorted by partition
+        strategy = _RoundStrategy(proxies, content[CONFIG])
+        state = RecordDict({MAIN_CONFIGS_RECORD: ConfigRecord({WorkflowKey.CURRENT_ROUND: int(ctx.round)}),
+                            MAIN_PARAMS_RECORD: ArrayRecord(dict(content[ARRAYS].items()))})
+        legacy = LegacyContext(Context(run_id=run_id, node_id=0, node_config={}, state=state, run_config={}),
+                               strategy=strategy)
+        workflow = _Workflow(self.num_shares, self.threshold, max_weight=self.max_weight,
+                             clipping_range=self.clipping_range, quantization_range=self.quantization_range,
+                             modulus_range=self.modulus_range,
+                             timeout=self.timeout if self.timeout is not None else engine.timeout)
+        saved = random.getstate()  # the workflow shuffles the nodes into neighbourhoods with `random`
+        random.seed(derive_seed(self.cfg["seed"], ctx.round, 0x5EC))
+        try:
+            workflow(grid, legacy)
+        finally:
+            random.setstate(saved)
+        seconds = time.perf_counter() - t0
+        if strategy.parameters is None or not strategy.results:
+            self._halted(ctx, grid, workflow, partitions)
+            return []
+        contributors = sorted(node_partition[proxy.node_id] for proxy, _ in strategy.results)
+        arrays = self._as_model(parameters_to_ndarrays(strategy.parameters), ctx.sent)
+        metrics = self._aggregate_metrics([res for _, res in strategy.results])
+        reply = Reply(Message(RecordDict({ARRAYS: arrays_record(self.names, arrays),
+                                          METRICS: MetricRecord(metrics)}),
+                              dst_node_id=0, message_type=TRAIN), AGGREGATE)
+        reply.node_id = 0
+        reply.contributors = contributors
+        self._metrics = {"contributors": float(len(contributors)), "dropped": float(len(grid.failed)),
+                         "messages": float(grid.messages), "protocol_seconds": seconds,
+                         "clipped": float(metrics.get(CLIPPED, 0.0)),
+                         **{f"{s}_seconds": v for s, v in grid.stage_seconds.items()}}
+        return [reply]
+
+    def _halted(self, ctx: RoundContext, grid: ProtocolGrid, workflow: _Workflow, partitions: Sequence[int]) -> None:
+        """No aggregate: every sampled client that has not failed already is recorded as not aggregated."""
+        if workflow.last_check is not None:
+            stage, fewest, t = workflow.last_check
+            why = (f"SecAgg+ halted after the {stage} stage: a client has only {fewest} active neighbours and "
+                   f"recovering its secrets needs reconstruction_threshold = {t}")
+        else:
+            why = "SecAgg+ halted before its first stage (fewer than 2 clients)"
+        if grid.replied.get(Stage.UNMASK) is not None:
+            why = "SecAgg+ could not unmask the sum: fewer than reconstruction_threshold shares of some secret"
+        survivors = [p for p in sorted(partitions) if p not in grid.failed]
+        why += f" ({len(survivors)} of {len(partitions)} sampled clients left)"
+        for p in survivors:
+            grid._fail(p, ctx.engine.partition_node[p], "aggregate", f"not aggregated: {why}")
+        self._metrics = {}
+
+    @staticmethod
+    def _as_model(arrays: list[np.ndarray], sent: Sequence[np.ndarray] | None) -> list[np.ndarray]:
+        """Flower's float64 aggregate in the model's dtypes (integer buffers rounded)."""
+        if sent is None:
+            return [np.asarray(a) for a in arrays]
+        out = []
+        for a, s in zip(arrays, sent):
+            s = np.asarray(s)
+            a = np.asarray(a).reshape(s.shape)
+            out.append(a.astype(s.dtype) if np.issubdtype(s.dtype, np.floating) else np.rint(a).astype(s.dtype))
+        return out
+
+    @staticmethod
+    def _aggregate_metrics(results: list[Any]) -> dict[str, float]:
+        """The contributors' metrics as one reply's: the example-weighted mean of each metric every one of
+        them reports, the total example count, the clipped values summed, and the noise variance of the
+        example-weighted mean (``sum_i (n_i/N)^2 sigma_i^2``: what a transform that compensates noise needs)."""
+        n = np.array([float(r.num_examples) for r in results])
+        total = float(n.sum())
+        keys = set.intersection(*(set(r.metrics) for r in results)) if results else set()
+        out: dict[str, float] = {NUM_EXAMPLES: int(total)}
+        for k in sorted(keys - set(CLIENT_ID_KEYS)):
+            vals = [r.metrics[k] for r in results]
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+                continue
+            v = np.array(vals, dtype=np.float64)
+            if k == CLIPPED:
+                out[k] = float(v.sum())
+            elif k == NOISE_VARIANCE:
+                out[k] = float(np.sum((n / total) ** 2 * v)) if total > 0 else 0.0
+            else:
+                out[k] = float(np.dot(n, v) / total) if total > 0 else float(v.mean())
+        return out
+
+    def accept(self, reply: Reply) -> None:
+        if not reply.contributors:
+            raise ChannelError("SecAgg+ gives the server only aggregates: a reply without contributors")
+        if list(reply.record(ARRAYS).keys()) != self.names:
+            raise ChannelError("the aggregate's arrays do not match the model's")
+
+    def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> list[np.ndarray]:
+        """The unmasked aggregate: already the example-weighted mean of the contributors (the protocol
+        weighted each by its example count). There is only ever one reply to 'combine'."""
+        if len(replies) != 1 or not replies[0].contributors:
+            raise RuntimeError(f"SecAgg+ gives one aggregate per round, got {len(replies)} replies")
+        return [np.array(a) for a in replies[0].arrays]
+
+    def plaintext(self, state: list[np.ndarray]) -> list[np.ndarray]:
+        return state
+
+    def client_view(self, reply: Reply) -> dict[str, Any]:
+        return {"kind": "aggregate", "weights": lambda: reply.arrays, "contributors": list(reply.contributors)}
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics)

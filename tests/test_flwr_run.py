@@ -1,0 +1,67 @@
+"""``flwr run .`` (fedsim/app/flower.py): Flower's own tooling starts fedsim's ServerApp and ClientApp.
+
+The test starts a local SuperLink in a throwaway ``FLWR_HOME`` (flwr run starts it detached), runs 2
+rounds with ``;``-separated overrides and an explicit run folder, checks what the run wrote, and then
+stops only the SuperLink it started (found by its ``--log-file`` under this ``FLWR_HOME``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _superlinks(flwr_home: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "flower-superlink" in cmd and str(flwr_home) in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.ray
+def test_flwr_run_runs_fedsim_apps_and_the_superlink_is_stopped(tmp_path):
+    flwr = Path(sys.executable).with_name("flwr")
+    if not flwr.exists() or shutil.which("flower-superlink", path=str(flwr.parent)) is None:
+        pytest.fail("flwr / flower-superlink are not installed next to this Python")
+    home, out = tmp_path / "flwr-home", tmp_path / "run"
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+               PATH=f"{flwr.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    cmd = [str(flwr), "run", ".", "--run-config",
+           f'overrides="federation.rounds=2;federation.num_clients=4;output.observers=[]" out="{out}"',
+           "--federation-config", "num-supernodes=4 client-resources-num-cpus=1", "--stream"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["round"] for r in rows] == [0, 1, 2] and all(r["replies"] == 4 for r in rows[1:])
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["clients"] == 4 and summary["client_failures"] == 0
+        assert (out / "model.pt").is_file() and (out / "report.md").is_file()
+        cfg = tomllib.loads((out / "config.toml").read_text())  # the ;-separated overrides all applied
+        assert (cfg["federation"]["rounds"], cfg["federation"]["num_clients"], cfg["output"]["observers"]) == \
+            (2, 4, [])
+        assert _superlinks(home), "the SuperLink flwr run started is running (detached)"
+    finally:
+        for pid in _superlinks(home):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.time() + 20
+        while _superlinks(home) and time.time() < deadline:
+            time.sleep(0.2)
+    assert not _superlinks(home)
