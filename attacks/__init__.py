@@ -7,11 +7,15 @@ server and seed 002's curious client (``curious-client``) in :data:`fedsim.compo
 * ``idlg`` - DLG with labels inferred from the gradient (Zhao et al. 2020);
 * ``cpl``  - the CPL attack of seed 001 (geometric initialisation, label regulariser, threshold stop);
 * ``ig``   - Inverting Gradients (Geiping et al. 2020), optionally FedAvg-aware;
+* ``grnn`` - GRNN, the generative regression attack of seed 003 (chapter 3);
 * ``ig-bn`` - Inverting Gradients with a BatchNorm-statistics prior (Yin et al. 2021);
 * ``ig-fr`` - seed 004's attack: IG + feature-matching regulariser + untrained-CNN image prior;
 * ``robbing`` - Robbing the Fed (Fowl et al. 2022): a *malicious* server's imprint module.
 
-Build one by name with :func:`build_attack`; run it on an :class:`AttackInput`.
+Each attack's defaults are the strongest measured setting at a stated budget (docs/benchmarks.md,
+"Attack strength"). Build one by name with :func:`build_attack`; run it on an :class:`AttackInput`, or
+on all victims of a round at once with :meth:`Attack.run_many` (one stacked optimisation per group of
+victims that share the global model; :mod:`attacks.batched`).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from . import (  # noqa: F401  (registration)
     curious_client_observer,
     dlg,
     fedkl,
+    grnn,
     inverting,
     knowledge,
     regularised,

@@ -137,6 +137,11 @@ class Target:
     def matched_grads(self) -> list[torch.Tensor]:
         return [self.grads[n] for n in self.matched]
 
+    def norm2(self) -> float:
+        """The (layer-weighted) squared norm of the matched gradients: the L2 distance of a zero gradient."""
+        w = self.weights if self.weights is not None else [1.0] * len(self.matched)
+        return float(sum(wi * float(g.double().pow(2).sum()) for wi, g in zip(w, self.matched_grads)))
+
     def params(self, names: Sequence[str] | None = None) -> list[torch.Tensor]:
         p = dict(self.model.named_parameters())
         return [p[n] for n in (names if names is not None else self.matched)]
@@ -201,17 +206,47 @@ def generator(inp: AttackInput, salt: int = 0) -> torch.Generator:
 
 
 # ---------------------------------------------------------------- optimisation
+PATIENCE_TOL = 1e-2  # a distance counts as progress when it is below (1 - this) x the last progress mark
+
+
+class Stagnation:
+    """The patience rule: ``step(dist)`` returns True once ``patience`` consecutive gradient distances
+    have not made progress (fallen below ``(1 - PATIENCE_TOL)`` times the distance at the last progress).
+    A converging reconstruction keeps making progress (its distance falls by orders of magnitude), so
+    only a stalled one (saturated units, a plateau, the float floor after convergence) is stopped. The
+    distance, not the loss, is watched: a regulariser (CPL's label term) can dominate a loss whose
+    gradient-matching part is still falling. At the float floor L-BFGS keeps finding rare 1% falls, so
+    a distance below ``floor`` (an exact match) also ends the attempt."""
+
+    def __init__(self, patience: int | None, floor: float = 0.0):
+        self.patience, self.mark, self.since, self.floor = patience, math.inf, 0, floor
+
+    def step(self, loss: float) -> bool:
+        if self.patience is None:
+            return False
+        if loss < self.floor:
+            return True
+        if loss < self.mark * (1 - PATIENCE_TOL) or not math.isfinite(self.mark):
+            self.mark, self.since = loss, 0
+            return False
+        self.since += 1
+        return self.since >= self.patience
+
+
 def lbfgs_loop(variables: list[torch.Tensor], objective: Callable[[], tuple[torch.Tensor, torch.Tensor]],
                iterations: int, history: int = 100, lr: float = 1.0, line_search: str | None = None,
-               threshold: float | None = None, stop_at_threshold: bool = False) -> dict[str, Any]:
+               threshold: float | None = None, stop_at_threshold: bool = False,
+               patience: int | None = None, floor: float = 0.0) -> dict[str, Any]:
     """Minimise ``objective`` (returning (loss, gradient distance)) over ``variables`` with L-BFGS.
 
     One iteration is one L-BFGS step (``max_iter=1``: one evaluation of the objective without a line
-    search, several with ``line_search="strong_wolfe"``). ``loss[t]`` is the objective at the ``t``-th iterate; ``converged_at`` is the first
-    ``t`` whose gradient distance is below ``threshold``. On exit the variables hold the iterate with
-    the lowest loss seen (the converged one when stopping at the threshold); a non-finite loss stops
-    the loop (``diverged``). Each iteration reports its gradient distance to the open progress task
-    (``fedsim.progress.tick``; nothing when none is open).
+    search, several with ``line_search="strong_wolfe"``). ``loss[t]`` is the objective at the ``t``-th
+    iterate; ``converged_at`` is the first ``t`` whose gradient distance is below ``threshold``. On exit
+    the variables hold the iterate with the lowest loss seen (the converged one when stopping at the
+    threshold); a non-finite loss stops the loop (``diverged``), so does a gradient distance stalled for
+    ``patience`` iterations or below ``floor`` (:class:`Stagnation`; ``stopped="patience"``). Each
+    iteration reports its gradient distance to the open progress task (``fedsim.progress.tick``;
+    nothing when none is open).
     """
     opt = torch.optim.LBFGS(variables, lr=lr, max_iter=1, history_size=history, line_search_fn=line_search,
                             tolerance_grad=0.0, tolerance_change=0.0)
@@ -230,7 +265,8 @@ def lbfgs_loop(variables: list[torch.Tensor], objective: Callable[[], tuple[torc
         return loss
 
     best, best_loss = [v.detach().clone() for v in variables], math.inf
-    converged_at, diverged = None, False
+    converged_at, diverged, stopped = None, False, None
+    stall = Stagnation(patience, floor)
     for it in range(iterations):
         snapshot = [v.detach().clone() for v in variables]
         state.clear()
@@ -245,14 +281,51 @@ def lbfgs_loop(variables: list[torch.Tensor], objective: Callable[[], tuple[torc
         if threshold is not None and converged_at is None and state["dist"] < threshold:
             converged_at = it
             if stop_at_threshold:
-                best = snapshot
+                best, stopped = snapshot, "threshold"
                 progress.tick(it + 1, iterations, distance=state["dist"])
                 break
         progress.tick(it + 1, iterations, distance=state["dist"])
+        if stall.step(state["dist"]):
+            stopped = "patience"
+            break
     with torch.no_grad():
         for v, b in zip(variables, best):
             v.copy_(b)
-    return {"loss": losses, "iterations": len(losses), "converged_at": converged_at, "diverged": diverged}
+    return {"loss": losses, "iterations": len(losses), "converged_at": converged_at, "diverged": diverged,
+            "stopped": "diverged" if diverged else stopped}
+
+
+class RestartLog:
+    """Bookkeeping of attempts from fresh starts: a new attempt is made only while none has converged
+    (its gradient distance fell below the threshold, which the attacker sees); the attempt kept is the
+    first converged one, else the one with the lowest loss. ``spent``/``converged_at`` count iterations
+    over all attempts made (the attack's cost)."""
+
+    def __init__(self) -> None:
+        self.best: tuple[float, torch.Tensor, torch.Tensor, dict] | None = None
+        self.spent, self.converged_at, self.sizes = 0, None, []
+
+    @property
+    def done(self) -> bool:
+        return self.converged_at is not None
+
+    def add(self, x: torch.Tensor, labels: torch.Tensor, trace: dict[str, Any]) -> None:
+        final = min(trace["loss"]) if trace["loss"] else math.inf
+        fresh = trace["converged_at"] is not None and self.converged_at is None
+        if self.best is None or final < self.best[0] or fresh:
+            self.best = (final, x, labels, trace)
+        if fresh:
+            self.converged_at = self.spent + trace["converged_at"]
+        self.spent += trace["iterations"]
+        self.sizes.append(trace["iterations"])
+
+    def result(self, **extra: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        assert self.best is not None
+        _, x, labels, trace = self.best
+        trace = dict(trace)
+        trace.update(iterations=self.spent, converged_at=self.converged_at, attempts=len(self.sizes),
+                     attempt_iterations=list(self.sizes), **extra)
+        return x, labels, trace
 
 
 def finish(x: torch.Tensor, labels: torch.Tensor, trace: dict[str, Any], t0: float) -> AttackResult:
@@ -260,3 +333,17 @@ def finish(x: torch.Tensor, labels: torch.Tensor, trace: dict[str, Any], t0: flo
     trace["seconds"] = time.perf_counter() - t0
     trace.setdefault("converged_at", None)
     return AttackResult(x.detach().clamp(0, 1).cpu().float(), labels.detach().cpu().to(torch.int64), trace)
+
+
+def finish_group(xs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], traces: Sequence[dict[str, Any]],
+                 t0: float) -> list[AttackResult]:
+    """:func:`finish` for a stacked group: each trace gets the group's wall time divided by its size."""
+    per = (time.perf_counter() - t0) / max(1, len(xs))
+    out = []
+    for x, y, tr in zip(xs, labels, traces):
+        tr = dict(tr)
+        tr["seconds"] = per
+        tr["group_size"] = len(xs)
+        tr.setdefault("converged_at", None)
+        out.append(AttackResult(x.detach().clamp(0, 1).cpu().float(), y.detach().cpu().to(torch.int64), tr))
+    return out

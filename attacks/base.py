@@ -60,6 +60,42 @@ class Attack:
     def run(self, inp: AttackInput) -> AttackResult:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def run_many(self, inputs: Sequence[AttackInput], max_group: int | None = None) -> list[AttackResult]:
+        """Attack several victims' updates (e.g. every victim of a round); results in input order.
+
+        Attacks that can (``batchable()``) stack the inputs that share the global model, recipe and
+        shapes (:func:`attacks.batched.group_inputs`, at most ``max_group`` per stack) into one batched
+        optimisation (``run_group``); the results equal those of ``run`` on each input up to
+        floating-point rounding. Other inputs and attacks run one by one. In a stacked result
+        ``trace["seconds"]`` is the stack's wall time divided by its size, ``trace["group_size"]`` the size.
+        """
+        inputs = list(inputs)
+        if max_group is not None and (isinstance(max_group, bool) or not isinstance(max_group, int)
+                                      or max_group < 1):
+            raise ValueError(f"max_group must be an integer >= 1 or None, got {max_group!r}")
+        out: list[AttackResult | None] = [None] * len(inputs)
+        if self.batchable() and len(inputs) > 1:
+            from .batched import group_inputs
+
+            groups = group_inputs(inputs, max_group)
+        else:
+            groups = [[i] for i in range(len(inputs))]
+        for g in groups:
+            if len(g) == 1:
+                out[g[0]] = self.run(inputs[g[0]])
+                continue
+            for i, res in zip(g, self.run_group([inputs[i] for i in g])):
+                out[i] = res
+        return [r for r in out if r is not None]
+
+    def batchable(self) -> bool:
+        """Whether this attack, with its parameters, has a stacked implementation (``run_group``)."""
+        return False
+
+    def run_group(self, inputs: Sequence[AttackInput]) -> list[AttackResult]:  # pragma: no cover
+        """Attack compatible inputs (see ``run_many``) as one stacked optimisation."""
+        raise NotImplementedError
+
 
 ATTACKS.base = Attack
 

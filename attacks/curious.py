@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -75,7 +75,7 @@ class CuriousServer(Observer):
                  psnr_threshold: float | None = None, ssim_threshold: float = 0.5, max_truth: int = 64,
                  max_images: int = 8, compensate: bool = False, compensate_Q: float = 6.0,
                  compensate_noise_variance: float | None = None, params: Mapping[str, Any] | None = None,
-                 knowledge: list[Any] | None = None, enabled: bool = True):
+                 knowledge: list[Any] | None = None, stack: int = 16, enabled: bool = True):
         self.cfg = cfg
         self.names = [name] if isinstance(name, str) else list(name)
         if not self.names or not all(isinstance(n, str) for n in self.names):
@@ -116,7 +116,8 @@ class CuriousServer(Observer):
             raise ValueError(f"attack.compensate_Q must be a number >= 1, got {compensate_Q!r}")
         if compensate_noise_variance is not None and compensate_noise_variance < 0:
             raise ValueError(f"attack.compensate_noise_variance must be a number >= 0, got {compensate_noise_variance!r}")
-        for k, v, lo in (("seed", seed, 0), ("max_truth", max_truth, 1), ("max_images", max_images, 1)):
+        for k, v, lo in (("seed", seed, 0), ("max_truth", max_truth, 1), ("max_images", max_images, 1),
+                         ("stack", stack, 1)):
             if v < lo:
                 raise ValueError(f"attack.{k} must be an integer >= {lo}, got {v!r}")
         self.rounds, self.every, self.victims, self.seed = rounds, int(every), victims, int(seed)
@@ -124,6 +125,7 @@ class CuriousServer(Observer):
         self.psnr_threshold = float(psnr_threshold) if psnr_threshold is not None else None
         self.ssim_threshold = float(ssim_threshold)
         self.max_truth, self.max_images = int(max_truth), int(max_images)
+        self.stack = int(stack)  # victims of a round attacked as one stacked optimisation (1: one by one)
         self.compensate, self.compensate_Q = bool(compensate), float(compensate_Q)
         self.compensate_var = compensate_noise_variance
         self.knowledge = KNOWLEDGE.build_list(knowledge or [], "attack.knowledge", cfg=cfg)
@@ -185,9 +187,9 @@ class CuriousServer(Observer):
                                      "updates; attacked those")
         if individual:
             by_client = {u.client_id: u for u in individual}
-            for cid in self._chosen_victims(round, list(by_client)):
-                for name in self.names:
-                    self.rows.append(self.attack_one(by_client[cid], name))
+            chosen = [by_client[cid] for cid in self._chosen_victims(round, list(by_client))]
+            for name in self.names:  # every victim of the round at once (stacked where the attack can)
+                self.rows.extend(self.attack_many(chosen, name))
         for u in pending:  # secure aggregation: the aggregate of k clients, attacked as one large batch
             if u.kind == "aggregate" and self._attacks_aggregate(u):
                 for name in self.names:
@@ -296,16 +298,30 @@ class CuriousServer(Observer):
         return x[idx], y[idx]
 
     def attack_one(self, update: ClientUpdate, name: str) -> dict[str, Any]:
+        return self.attack_many([update], name)[0]
+
+    def attack_many(self, updates: Sequence[ClientUpdate], name: str) -> list[dict[str, Any]]:
+        """Attack several intercepted updates with one attack; victims that share the global model and
+        recipe are solved as one stacked optimisation of at most ``attack.stack`` (``Attack.run_many``;
+        the same reconstructions as one by one up to float rounding), the rest one by one."""
+        if not updates:
+            return []
+        inputs = [self.attack_input(u) for u in updates]
+        attack = ATTACKS.build_named(name, self.params[name], f"attack.params.{name}")
+        who = ", ".join(str(u.client_id) for u in updates)
+        label = f"attack {name}: client{'s' if len(updates) > 1 else ''} {who}, round {updates[0].round}"
+        progress.say(f"{label}: started ({len(updates[0].param_names)} tensors, "
+                     f"{sum(u.num_examples for u in updates)} examples)")
+        t0 = time.perf_counter()
+        with progress.task(label, total=getattr(attack, "iterations", None), unit="it"):
+            results = attack.run_many(inputs, max_group=self.stack)
+        wall = time.perf_counter() - t0
+        return [self._score(u, name, r, r.trace.get("seconds", wall / len(updates)) if len(updates) > 1 else wall)
+                for u, r in zip(updates, results)]
+
+    def _score(self, update: ClientUpdate, name: str, result: Any, seconds: float) -> dict[str, Any]:
         from fedsim.metrics import score_reconstruction
 
-        inp = self.attack_input(update)
-        attack = ATTACKS.build_named(name, self.params[name], f"attack.params.{name}")
-        t0 = time.perf_counter()
-        label = f"attack {name}: client {update.client_id}, round {update.round}"
-        progress.say(f"{label}: started ({len(update.param_names)} tensors, {update.num_examples} examples)")
-        with progress.task(label, total=getattr(attack, "iterations", None), unit="it"):
-            result = attack.run(inp)
-        seconds = time.perf_counter() - t0
         rx, ry = result.inputs.detach().cpu().clamp(0, 1), result.labels.detach().cpu()
         tx, ty = self.ground_truth(update)
         tx, ty = select_truth(rx, tx, ty)
@@ -319,14 +335,16 @@ class CuriousServer(Observer):
                "success_content": score["success_content"], "success_label": score["success_label"],
                "iterations": result.trace.get("iterations"), "converged_at": result.trace.get("converged_at"),
                "seconds": seconds, "final_loss": (result.trace.get("loss") or [None])[-1],
-               "threat_model": result.trace.get("threat_model", "curious")}
+               "threat_model": result.trace.get("threat_model", "curious"),
+               "stacked": int(result.trace.get("group_size", 1))}
         if update.kind == "aggregate":  # secure aggregation: one batch made of k clients' images
             row["aggregate_of"] = len(update.contributors)
             row["contributors"] = list(update.contributors)
         if self.knowledge:
             row["knowledge"] = ", ".join(k.label() for k in self.knowledge)
-        progress.say(f"{label}: PSNR {row['psnr']:.2f} dB  SSIM {row['ssim']:.3f}  label acc {row['label_acc']:.2f}  "
-                     f"{row['iterations']} it  {seconds:.1f}s")
+        progress.say(f"attack {name}: client {update.client_id}, round {update.round}: PSNR {row['psnr']:.2f} dB  "
+                     f"SSIM {row['ssim']:.3f}  label acc {row['label_acc']:.2f}  {row['iterations']} it  "
+                     f"{seconds:.1f}s")
         return row
 
     # ---- outputs ------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 
 from ._common import (
     INITS,
+    RestartLog,
     Target,
     check_choice,
     check_float,
@@ -23,6 +24,7 @@ from ._common import (
     check_patterns,
     choose_labels,
     finish,
+    finish_group,
     generator,
     init_dummy,
     lbfgs_loop,
@@ -35,21 +37,40 @@ LABEL_MODES = ("joint", "idlg", "known")
 
 @register
 class DLG(Attack):
-    """DLG. Parameters:
+    """DLG. Parameters (defaults: the strongest measured setting, docs/benchmarks.md "Attack strength"):
 
-    * ``iterations`` (300): L-BFGS steps (one objective evaluation each);
+    * ``iterations`` (3000): the attack's budget of L-BFGS steps (one objective evaluation each), over
+      all its attempts;
     * ``labels`` (``"joint"``): ``joint`` optimises soft dummy labels with the data (DLG), ``idlg``
       infers them from the gradient (iDLG), ``known`` uses the threat model's known labels;
     * ``init`` (``"random"``, U(0, 1)): see :func:`attacks._common.init_dummy`; ``pattern`` its tile count;
     * ``muted``: ``fnmatch`` patterns of parameter names left out of the matching loss;
     * ``layer_weights``: optional per-layer weights of the distance;
-    * ``history`` (100): L-BFGS history; ``line_search`` (None or ``"strong_wolfe"``);
+    * ``history`` (100): L-BFGS history; ``line_search`` (None or ``"strong_wolfe"``; the line search
+      stalled on the sigmoid LeNet in every measured batch-4 attack);
     * ``threshold`` (1e-4): gradient distance under which the attack counts as converged
       (``trace["converged_at"]``); ``stop_at_threshold`` (False) ends the attack there;
-    * ``restarts`` (1): attempts from fresh random initialisations; a new attempt starts only while no
-      attempt has converged (the attacker sees the distance), and the attempt with the lowest final
-      loss is returned. ``trace["iterations"]`` and ``converged_at`` count iterations over all
-      attempts made (the attack's cost), ``trace["loss"]`` is the returned attempt's curve.
+    * ``patience`` (100): an attempt ends when its gradient distance has made no progress (a 1%
+      fall) for this many iterations (:class:`attacks._common.Stagnation`): stalled starts (saturated
+      sigmoids) end early; None: never (also disables ``tol``);
+    * ``tol`` (1e-10): with ``patience`` set, an attempt also ends once its gradient distance is below
+      ``tol`` times the squared norm of the target gradient: the match is exact to float precision
+      (on the sigmoid LeNet at batch 1 the distance settles at 1e-11 to 4e-11 of it, where L-BFGS
+      still finds rare 1% falls);
+    * ``restarts`` (4): at most this many attempts from fresh random initialisations, sharing the
+      budget: each attempt may use what the earlier ones left, so a new attempt follows only an attempt
+      that ended early without converging (it stalled or diverged; with ``patience=None`` the first
+      attempt uses the whole budget unless it stops at the threshold). No new attempt follows a
+      converged one (the attacker sees the distance). The attempt returned is the first converged one,
+      else the one with the lowest loss. ``trace["iterations"]`` and ``converged_at`` count iterations
+      over all attempts made (the attack's cost, at most ``iterations``), ``trace["loss"]`` is the
+      returned attempt's curve, ``trace["attempt_iterations"]`` each attempt's length,
+      ``trace["stopped"]`` why the returned attempt ended (``"threshold"``, ``"patience"``,
+      ``"diverged"`` or None: the budget ran out).
+
+    The defaults before the strongest-attack study were ``iterations=300, restarts=1, patience=None``
+    (then ``restarts`` gave every attempt the full ``iterations``; ``iterations=k*n, restarts=k`` with
+    ``patience`` set is the closest setting now).
     """
 
     name = "dlg"
@@ -57,10 +78,11 @@ class DLG(Attack):
     default_init = "random"
     default_stop = False
 
-    def __init__(self, iterations: int = 300, labels: str | None = None, init: str | None = None,
+    def __init__(self, iterations: int = 3000, labels: str | None = None, init: str | None = None,
                  pattern: int = 2, muted: Sequence[str] | None = None, layer_weights: Any = None,
                  history: int = 100, line_search: str | None = None, threshold: float | None = 1e-4,
-                 stop_at_threshold: bool | None = None, restarts: int = 1):
+                 stop_at_threshold: bool | None = None, restarts: int = 4, patience: int | None = 100,
+                 tol: float = 1e-10):
         self.iterations = check_int("iterations", iterations)
         self.labels = check_choice("labels", labels if labels is not None else self.default_labels, LABEL_MODES)
         self.init = check_choice("init", init if init is not None else self.default_init, INITS)
@@ -73,6 +95,8 @@ class DLG(Attack):
         stop = self.default_stop if stop_at_threshold is None else stop_at_threshold
         self.stop_at_threshold = bool(check_choice("stop_at_threshold", stop, (True, False)))
         self.restarts = check_int("restarts", restarts)
+        self.patience = None if patience is None else check_int("patience", patience)
+        self.tol = check_float("tol", tol)
 
     # hook for CPL's label regulariser: extra loss from the dummy logits and the labels
     def regulariser(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -83,27 +107,69 @@ class DLG(Attack):
         target: Target = prepare_target(inp, self.muted, self.layer_weights)
         B = inp.batch_size
         y_fixed = None if self.labels == "joint" else choose_labels(self.labels, target, inp, B)
-        best: tuple[float, torch.Tensor, torch.Tensor, dict] | None = None
-        spent, converged_at, sizes = 0, None, []
+        log = RestartLog()
         for attempt in range(self.restarts):
-            x, labels, trace = self._attempt(inp, target, y_fixed, attempt)
-            final = min(trace["loss"]) if trace["loss"] else float("inf")
-            if best is None or final < best[0] or (trace["converged_at"] is not None and converged_at is None):
-                best = (final, x, labels, trace)
-            if trace["converged_at"] is not None and converged_at is None:
-                converged_at = spent + trace["converged_at"]
-            spent += trace["iterations"]
-            sizes.append(trace["iterations"])
-            if converged_at is not None:
+            log.add(*self._attempt(inp, target, y_fixed, attempt, self.iterations - log.spent))
+            if log.done or log.spent >= self.iterations:
                 break
-        assert best is not None
-        _, x, labels, trace = best
-        trace.update(iterations=spent, converged_at=converged_at, attempts=len(sizes),
-                     attempt_iterations=sizes, labels_mode=self.labels)
+        x, labels, trace = log.result(labels_mode=self.labels)
         return finish(x, labels, trace, t0)
 
+    # ---- several victims at once (attacks.batched) ----
+    def batchable(self) -> bool:
+        return self.line_search is None  # the batched L-BFGS has no line search
+
+    def run_group(self, inputs: Sequence[AttackInput]) -> list[AttackResult]:
+        from .batched import StackedTarget
+
+        t0 = time.perf_counter()
+        st = StackedTarget.build(inputs, self.muted, self.layer_weights)
+        B = inputs[0].batch_size
+        y_fixed = None if self.labels == "joint" else \
+            [choose_labels(self.labels, t, inp, B) for t, inp in zip(st.targets, inputs)]
+        logs = [RestartLog() for _ in inputs]
+        for attempt in range(self.restarts):
+            todo = [v for v, log in enumerate(logs) if not log.done and log.spent < self.iterations]
+            if not todo:
+                break
+            budgets = [self.iterations - logs[v].spent for v in todo]
+            for v, res in zip(todo, self._attempt_group(inputs, st, y_fixed, attempt, todo, budgets)):
+                logs[v].add(*res)
+        out = [log.result(labels_mode=self.labels) for log in logs]
+        return finish_group([o[0] for o in out], [o[1] for o in out], [o[2] for o in out], t0)
+
+    def _attempt_group(self, inputs: Sequence[AttackInput], st, y_fixed: list[torch.Tensor] | None, attempt: int,
+                       todo: list[int], budgets: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:
+        from .batched import batched_lbfgs_loop
+
+        B, dev = inputs[0].batch_size, inputs[0].device
+        xs, ys = [], []
+        for v in todo:  # each victim's start drawn exactly as run() draws it
+            gen = generator(inputs[v], attempt)
+            xs.append(init_dummy(self.init, (B, *inputs[v].input_shape), gen, self.pattern))
+            if y_fixed is None:
+                ys.append(torch.randn((B, inputs[v].num_classes), generator=gen))
+        variables = [torch.stack(xs).to(dev)] + ([torch.stack(ys).to(dev)] if y_fixed is None else [])
+        victims = torch.tensor(todo, dtype=torch.long, device=dev)
+        labels_fixed = torch.stack([y_fixed[v] for v in todo]).to(dev) if y_fixed is not None else None
+
+        def objective(rows: torch.Tensor, vs: list[torch.Tensor]):
+            y = torch.softmax(vs[1], dim=-1) if labels_fixed is None else labels_fixed.index_select(0, rows)
+            dist, logits = st.distance(vs[0], y, victims.index_select(0, rows), "l2")
+            reg = self.regulariser(logits, y)
+            return (dist if reg is None else dist + reg), dist
+
+        final, traces = batched_lbfgs_loop(variables, objective, max(budgets), self.history, 1.0,
+                                           self.threshold, self.stop_at_threshold, self.patience, limits=budgets,
+                                           floors=[self.tol * st.targets[v].norm2() for v in todo])
+        out = []
+        for j, v in enumerate(todo):
+            labels = final[1][j].argmax(-1) if y_fixed is None else y_fixed[v]
+            out.append((final[0][j], labels, traces[j]))
+        return out
+
     def _attempt(self, inp: AttackInput, target: Target, y_fixed: torch.Tensor | None,
-                 attempt: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                 attempt: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
         B = inp.batch_size
         gen = generator(inp, attempt)
         x = init_dummy(self.init, (B, *inp.input_shape), gen, self.pattern).to(inp.device).requires_grad_(True)
@@ -118,8 +184,8 @@ class DLG(Attack):
             reg = self.regulariser(logits, y)
             return (dist if reg is None else dist + reg), dist
 
-        trace = lbfgs_loop(variables, objective, self.iterations, self.history, 1.0, self.line_search,
-                           self.threshold, self.stop_at_threshold)
+        trace = lbfgs_loop(variables, objective, iterations, self.history, 1.0, self.line_search,
+                           self.threshold, self.stop_at_threshold, self.patience, self.tol * target.norm2())
         labels = y_logits.detach().argmax(-1) if y_fixed is None else y_fixed
         return x.detach(), labels, trace
 

@@ -24,6 +24,7 @@ from fedsim import progress
 
 from ._common import (
     INITS,
+    RestartLog,
     Target,
     check_choice,
     check_float,
@@ -32,6 +33,7 @@ from ._common import (
     check_patterns,
     choose_labels,
     finish,
+    finish_group,
     generator,
     init_dummy,
     prepare_target,
@@ -51,8 +53,11 @@ class InvertingGradients(Attack):
     """Inverting Gradients. Parameters:
 
     * ``iterations`` (2000): Adam steps per restart; ``lr`` (0.1) the initial step size;
-    * ``tv`` (1e-2): weight of the total-variation prior (images in [0, 1]);
-    * ``init`` (``"random"``): see :func:`attacks._common.init_dummy`; ``restarts`` (1);
+    * ``tv`` (3e-3): weight of the total-variation prior (images in [0, 1]). Measured on the sigmoid
+      LeNet at batch 1 (10 fmnist-small test images, 2000 steps): SSIM >= 0.9 on 2/10 with 1e-2 (the
+      default before the strongest-attack study), 8/10 with 1e-3, 9/10 with 3e-3, 4/10 with 1e-4;
+    * ``init`` (``"random"``): see :func:`attacks._common.init_dummy`; ``restarts`` (1): attempts from
+      fresh starts, a new one only while none has reached ``threshold`` (the lowest final loss is kept);
     * ``layer_weights``: None (all layers equal), ``"linear"``, ``"exp"``, a list or a pattern mapping;
     * ``muted``: ``fnmatch`` patterns of parameter names left out of the matching loss;
     * ``labels`` (``"idlg"``): inferred from the gradient, or ``"known"``;
@@ -63,7 +68,7 @@ class InvertingGradients(Attack):
 
     name = "ig"
 
-    def __init__(self, iterations: int = 2000, lr: float = 0.1, tv: float = 1e-2, init: str = "random",
+    def __init__(self, iterations: int = 2000, lr: float = 0.1, tv: float = 3e-3, init: str = "random",
                  pattern: int = 2, restarts: int = 1, layer_weights: Any = None,
                  muted: Sequence[str] | None = None, labels: str = "idlg", fedavg_aware: bool = False,
                  lr_decay: bool = True, signed: bool = True, threshold: float | None = None):
@@ -86,30 +91,28 @@ class InvertingGradients(Attack):
         target = prepare_target(inp, self.muted, self.layer_weights)
         n = int(inp.num_examples) if self.fedavg_aware else inp.batch_size
         y = choose_labels(self.labels, target, inp, n)
-        best: tuple[float, torch.Tensor, dict] | None = None
-        spent = 0
+        log = RestartLog()
         for attempt in range(self.restarts):
             x, trace = self._attempt(inp, target, y, n, attempt)
-            final = min(trace["loss"]) if trace["loss"] else math.inf
-            if trace["converged_at"] is not None:
-                trace["converged_at"] += spent
-            spent += trace["iterations"]
-            if best is None or final < best[0]:
-                best = (final, x, trace)
-        assert best is not None
-        _, x, trace = best
-        trace.update(iterations=spent, attempts=self.restarts, fedavg_aware=self.fedavg_aware)
+            log.add(x, y, trace)
+            if log.done:
+                break
+        x, _, trace = log.result(fedavg_aware=self.fedavg_aware)
         return finish(x, y, trace, t0)
+
+    def _start(self, inp: AttackInput, n: int, attempt: int) -> torch.Tensor:
+        gen = generator(inp, attempt)
+        return init_dummy(self.init, (n, *inp.input_shape), gen, self.pattern).clamp(0, 1)
+
+    def _milestones(self) -> list[int]:
+        return sorted({max(1, int(self.iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)})
 
     def _attempt(self, inp: AttackInput, target: Target, y: torch.Tensor, n: int,
                  attempt: int) -> tuple[torch.Tensor, dict]:
-        gen = generator(inp, attempt)
-        x = init_dummy(self.init, (n, *inp.input_shape), gen, self.pattern).to(inp.device)
-        x = x.clamp(0, 1).requires_grad_(True)
+        x = self._start(inp, n, attempt).to(inp.device).requires_grad_(True)
         opt = torch.optim.Adam([x], lr=self.lr)
-        milestones = sorted({max(1, int(self.iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)})
-        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.1) if self.lr_decay \
-            else None
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=self._milestones(), gamma=0.1) \
+            if self.lr_decay else None
         losses: list[float] = []
         best_x, best_loss = x.detach().clone(), math.inf
         converged_at = None
@@ -135,3 +138,82 @@ class InvertingGradients(Attack):
             with torch.no_grad():
                 x.clamp_(0, 1)
         return best_x, {"loss": losses, "iterations": len(losses), "converged_at": converged_at}
+
+    # ---- several victims at once (attacks.batched) ----
+    def batchable(self) -> bool:
+        return not self.fedavg_aware  # the replay of local steps is not stacked
+
+    def run_group(self, inputs: Sequence[AttackInput]) -> list[AttackResult]:
+        from .batched import StackedTarget
+
+        t0 = time.perf_counter()
+        st = StackedTarget.build(inputs, self.muted, self.layer_weights)
+        n = inputs[0].batch_size
+        ys = [choose_labels(self.labels, t, inp, n) for t, inp in zip(st.targets, inputs)]
+        logs = [RestartLog() for _ in inputs]
+        for attempt in range(self.restarts):
+            todo = [v for v, log in enumerate(logs) if not log.done]
+            if not todo:
+                break
+            for v, (x, trace) in zip(todo, self._attempt_group(inputs, st, ys, n, attempt, todo)):
+                logs[v].add(x, ys[v], trace)
+        out = [log.result(fedavg_aware=False) for log in logs]
+        return finish_group([o[0] for o in out], ys, [o[2] for o in out], t0)
+
+    def _attempt_group(self, inputs: Sequence[AttackInput], st, ys: list[torch.Tensor], n: int, attempt: int,
+                       todo: list[int]) -> list[tuple[torch.Tensor, dict]]:
+        """One attempt for the victims ``todo``: Adam on the stacked images is element-wise, so each
+        victim's images move exactly as in :meth:`_attempt`."""
+        from .batched import stacked_distance
+
+        dev = inputs[0].device
+        x = torch.stack([self._start(inputs[v], n, attempt) for v in todo]).to(dev).requires_grad_(True)
+        y = torch.stack([ys[v] for v in todo]).to(dev)
+        victims = torch.tensor(todo, dtype=torch.long, device=dev)
+        target, weights = st.select(victims)
+        opt = torch.optim.Adam([x], lr=self.lr)
+        sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=self._milestones(), gamma=0.1) \
+            if self.lr_decay else None
+        A = len(todo)
+        losses: list[list[float]] = [[] for _ in todo]
+        best_x = x.detach().clone()
+        best_loss = [math.inf] * A
+        converged: list[int | None] = [None] * A
+        alive = [True] * A
+        for it in range(self.iterations):
+            opt.zero_grad(set_to_none=True)
+            grads, _ = st.dummy_gradients(x, y)
+            dist = stacked_distance(grads, target, "cosine", weights)
+            loss = dist + self.tv * tv_stacked(x) if self.tv else dist
+            lv, dv = loss.detach().tolist(), dist.detach().tolist()
+            for j in range(A):
+                if not alive[j]:
+                    continue
+                if not math.isfinite(lv[j]):  # as _attempt: this victim's attempt ends here
+                    alive[j] = False
+                    continue
+                losses[j].append(lv[j])
+                if lv[j] < best_loss[j]:
+                    best_loss[j] = lv[j]
+                    best_x[j] = x[j].detach()
+                if self.threshold is not None and converged[j] is None and dv[j] < self.threshold:
+                    converged[j] = it
+            if not any(alive):
+                break
+            (x.grad,) = torch.autograd.grad(loss.nan_to_num(0.0).sum(), [x])
+            if self.signed:
+                x.grad.sign_()
+            opt.step()
+            if sched is not None:
+                sched.step()
+            with torch.no_grad():
+                x.clamp_(0, 1)
+        return [(best_x[j], {"loss": losses[j], "iterations": len(losses[j]), "converged_at": converged[j]})
+                for j in range(A)]
+
+
+def tv_stacked(x: torch.Tensor) -> torch.Tensor:
+    """:func:`total_variation` of each victim's batch in a stack ``(A, B, C, H, W)``: ``(A,)``."""
+    dx = (x[..., :, 1:] - x[..., :, :-1]).abs().flatten(1).mean(1)
+    dy = (x[..., 1:, :] - x[..., :-1, :]).abs().flatten(1).mean(1)
+    return dx + dy

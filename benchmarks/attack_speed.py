@@ -1,31 +1,42 @@
-"""Attack iterations per second against the cost floor of gradient matching.
+"""Attack iterations per second against the cost floor of gradient matching, and victims per second
+when all victims of a round are attacked at once.
 
-For each model (the DLG LeNet and seed 000's ConvNet) and batch size (1 and 8) this times
+**Per-iteration cost.** For each model (the DLG LeNet and seed 000's ConvNet) and batch size (1 and 8)
+this times
 
 * ``floor``: one forward, the parameter gradient with ``create_graph=True``, the squared L2 distance
   to a fixed target and the double backward to the dummy input - the least any gradient-matching
   iteration must do on that model;
-* ``dlg``: the registered DLG attack (L-BFGS) with iDLG labels. Joint labels cost the same per
-  iteration, but from some starts joint DLG saturates the sigmoids, the gradient becomes exactly zero
-  and L-BFGS iterations turn into no-ops, which would inflate the rate;
-* ``ig``: the registered Inverting Gradients attack (cosine distance, TV, signed Adam, box clamp);
+* every registered attack (``dlg`` joint labels, ``idlg``, ``cpl``, ``ig``, ``grnn``) with its
+  per-iteration work only (one attempt, no threshold stop, no patience stop);
 
 side by side in the same process (interleaved repeats, best rate of each kept), and prints
-iterations per second and the attack-to-floor time ratio (1.00 = no overhead beyond the floor). Attack rates are measured as the difference between a
-long and a short run, so one-off set-up (target extraction, label inference) is excluded.
+iterations per second and the attack-to-floor time ratio (1.00 = no overhead beyond the floor).
+Attack rates are measured as the difference between a long and a short run, so one-off set-up
+(target extraction, label inference) is excluded. DLG with joint labels can saturate the sigmoids
+from some starts, after which L-BFGS iterations are no-ops (a zero gradient), which inflates its rate.
+
+**Victims per second** (``--victims V``, 0 to skip): ``V`` victims of one round (one global LeNet,
+disjoint fmnist-small images, batch 1 and 8) attacked one by one with ``run`` and together with
+``run_many``, the same iterations per victim; prints victims per second of both, the speed-up and
+the mean SSIM of both runs (equal quality: the stacked run solves the same problems).
 
     .venv/bin/python benchmarks/attack_speed.py [--threads 1] [--device cpu] [--seconds 1.0] [--repeats 3]
+        [--attacks dlg,idlg,cpl,ig,grnn] [--victims 8]
 """
 from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
+import numpy as np
 import torch
 from torch.nn import functional as F
 
 from attacks import AttackInput, build_attack
 from fedsim.data.registry import load_dataset
+from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
 from fedsim.training import Recipe, local_train
 
@@ -33,9 +44,20 @@ MODELS = {
     "lenet": dict(name="lenet", init="uniform"),  # sigmoid, U(-0.5, 0.5): the DLG setting
     "convnet": dict(name="convnet", init="default"),  # width 16, ReLU, BatchNorm (fedsim defaults)
 }
+ATTACKS = ("dlg", "idlg", "cpl", "ig", "grnn")
+# per-iteration work only: one attempt, no early stops
+PER_ITERATION = {"dlg": {"threshold": None, "restarts": 1, "patience": None},
+                 "idlg": {"threshold": None, "restarts": 1, "patience": None},
+                 "cpl": {"threshold": None, "restarts": 1, "patience": None},
+                 "ig": {"threshold": None, "restarts": 1},
+                 "grnn": {"threshold": None, "restarts": 1}}
+# iterations per victim in the victims-per-second comparison
+VICTIM_ITERATIONS = {"dlg": 300, "idlg": 300, "cpl": 300, "ig": 300, "grnn": 100}
 
 
-def victim(model_key: str, batch: int, device: torch.device) -> AttackInput:
+def victim(model_key: str, batch: int, device: torch.device, start: int = 0, seed: int = 0) -> tuple[
+        AttackInput, torch.Tensor, torch.Tensor]:
+    """One client's FedSGD update on images ``start .. start + batch`` (the global model from ``seed``)."""
     ds = load_dataset("fmnist-small")
     spec = MODELS[model_key]
     shape = ds.in_shape
@@ -47,9 +69,11 @@ def victim(model_key: str, batch: int, device: torch.device) -> AttackInput:
     net = build_model(spec["name"], shape, 10, init=spec["init"])
     g = {k: v.detach().clone() for k, v in net.state_dict().items()}
     recipe = Recipe(lr=0.1, batch_size=batch, local_steps=1)
-    res = local_train(net, ds.x_train[:batch], ds.y_train[:batch], recipe, seed=0, round=0, client=0)
+    x, y = ds.x_train[start:start + batch], ds.y_train[start:start + batch]
+    res = local_train(net, x, y, recipe, seed=0, round=0, client=0)
     update = {k: torch.as_tensor(w) - g[k] for k, w in zip(g, res.weights)}
-    return AttackInput(model_fn, g, update, recipe.to_mapping(), shape, 10, batch, device=device, seed=0)
+    inp = AttackInput(model_fn, g, update, recipe.to_mapping(), shape, 10, batch, device=device, seed=seed)
+    return inp, x, y
 
 
 def floor_rate(inp: AttackInput, seconds: float) -> float:
@@ -90,9 +114,9 @@ def attack_rate(name: str, inp: AttackInput, seconds: float, guess: float) -> fl
     short = max(5, int(guess * seconds * 0.2))
     long = max(short + 10, int(guess * seconds))
     times, its = [], []
-    build_attack(name, iterations=3).run(inp)  # warm-up (lazy kernel initialisation)
+    build_attack(name, iterations=3, **PER_ITERATION[name]).run(inp)  # warm-up (lazy kernel initialisation)
     for n in (short, long):
-        attack = build_attack(name, iterations=n, **({"threshold": None} if name in ("dlg", "idlg") else {}))
+        attack = build_attack(name, iterations=n, **PER_ITERATION[name])
         _sync(inp.device)
         t0 = time.perf_counter()
         res = attack.run(inp)
@@ -104,32 +128,69 @@ def attack_rate(name: str, inp: AttackInput, seconds: float, guess: float) -> fl
     return (its[1] - its[0]) / (times[1] - times[0])
 
 
+def victims_rate(name: str, batch: int, victims: int, device: torch.device) -> dict[str, Any]:
+    """Victims per second one by one and stacked, with the mean SSIM of each."""
+    vs = [victim("lenet", batch, device, start=37 * k, seed=k) for k in range(victims)]
+    inputs = [v[0] for v in vs]
+    params = dict(PER_ITERATION[name], iterations=VICTIM_ITERATIONS[name])
+    attack = build_attack(name, **params)
+    build_attack(name, **dict(params, iterations=3)).run_many(inputs[:2])  # warm-up
+    _sync(device)
+    t0 = time.perf_counter()
+    one = [attack.run(i) for i in inputs]
+    _sync(device)
+    t1 = time.perf_counter()
+    many = attack.run_many(inputs)
+    _sync(device)
+    t2 = time.perf_counter()
+
+    def mean_ssim(results):
+        return float(np.mean([score_reconstruction(r.inputs, r.labels, x, y)["ssim"]
+                              for r, (_, x, y) in zip(results, vs)]))
+
+    return {"one": victims / (t1 - t0), "many": victims / (t2 - t1), "speedup": (t1 - t0) / (t2 - t1),
+            "ssim_one": mean_ssim(one), "ssim_many": mean_ssim(many), "iterations": VICTIM_ITERATIONS[name]}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--seconds", type=float, default=1.0, help="target time per measurement")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the best rate is kept")
+    ap.add_argument("--attacks", default=",".join(ATTACKS))
+    ap.add_argument("--victims", type=int, default=8, help="victims per round for run_many (0: skip)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    names = args.attacks.split(",")
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}")
-    print(f"{'model':8} {'batch':>5} {'floor it/s':>11} {'dlg it/s':>9} {'dlg/floor':>10} "
-          f"{'ig it/s':>8} {'ig/floor':>9}")
     # warm-up: the first backward of a process is slow
-    floor_rate(victim("lenet", 1, device), 0.2)
+    floor_rate(victim("lenet", 1, device)[0], 0.2)
     configs = [(m, b) for m in MODELS for b in (1, 8)]
-    inputs = {c: victim(*c, device) for c in configs}
-    best: dict[tuple, list[float]] = {c: [0.0, 0.0, 0.0] for c in configs}
+    inputs = {c: victim(*c, device)[0] for c in configs}
+    best: dict[tuple, dict[str, float]] = {c: {} for c in configs}
     for _ in range(args.repeats):  # interleaved repeats, best of each: robust to other load on the machine
         for c in configs:
             fl = floor_rate(inputs[c], args.seconds)
-            rates = (fl, attack_rate("idlg", inputs[c], args.seconds, fl), attack_rate("ig", inputs[c], args.seconds, fl))
-            best[c] = [max(a, b) for a, b in zip(best[c], rates)]
-    for (model_key, batch), (fl, dlg, ig) in best.items():
-        print(f"{model_key:8} {batch:5d} {fl:11.1f} {dlg:9.1f} {fl / dlg:10.2f} {ig:8.1f} {fl / ig:9.2f}")
-    print("dlg = DLG with iDLG labels (L-BFGS); ig = Inverting Gradients (signed Adam).")
-    print("dlg/floor, ig/floor: time per attack iteration over time per floor iteration.")
+            rates = {"floor": fl, **{n: attack_rate(n, inputs[c], args.seconds, fl) for n in names}}
+            best[c] = {k: max(best[c].get(k, 0.0), v) for k, v in rates.items()}
+    print("\nIterations per second, and time per iteration over the floor's")
+    print(f"{'model':8} {'batch':>5} {'floor it/s':>11} " + " ".join(f"{n + ' it/s':>10} {'/floor':>6}" for n in names))
+    for (model_key, batch), r in best.items():
+        print(f"{model_key:8} {batch:5d} {r['floor']:11.1f} "
+              + " ".join(f"{r[n]:10.1f} {r['floor'] / r[n]:6.2f}" for n in names))
+    print("floor: one forward + parameter gradient (create_graph) + L2 distance + double backward.")
+    if args.victims:
+        print(f"\nVictims per second: {args.victims} victims of one round (LeNet), one by one (run) vs stacked "
+              "(run_many), same iterations per victim")
+        print(f"{'attack':6} {'batch':>5} {'iters':>5} {'one v/s':>8} {'stacked v/s':>11} {'speed-up':>8} "
+              f"{'SSIM one':>8} {'SSIM stacked':>12}")
+        for batch in (1, 8):
+            for n in names:
+                r = victims_rate(n, batch, args.victims, device)
+                print(f"{n:6} {batch:5d} {r['iterations']:5d} {r['one']:8.2f} {r['many']:11.2f} {r['speedup']:8.2f} "
+                      f"{r['ssim_one']:8.3f} {r['ssim_many']:12.3f}", flush=True)
 
 
 if __name__ == "__main__":

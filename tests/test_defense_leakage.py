@@ -178,7 +178,9 @@ def test_attack_command_with_defenses(tmp_path):
     leak = {}
     for label, sets in ONESHOT.items():
         out = tmp_path / label.replace(" ", "-")
-        argv = ["attack", "--attack", "idlg", "--device", "cpu", "--out", str(out)]
+        # 300 iterations (the budget before the strongest-attack defaults): enough at batch 1
+        argv = ["attack", "--attack", "idlg", "--device", "cpu", "--out", str(out),
+                "--set", "attack.params.idlg.iterations=300"]
         for s in sets:
             argv += ["--set", s]
         assert main(argv) == 0
