@@ -27,8 +27,10 @@ from fedsim.reports import md_table, read_jsonl
 ID_COLUMNS = ("variant", "run", "seed", "seeds", "runs", "n")
 
 
-def run_row(label: str, run_dir: str | Path) -> dict[str, Any]:
-    """One run folder as a row (see the module docstring)."""
+def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, Any]:
+    """One run folder as a row (see the module docstring). ``full`` adds every numeric key of each
+    leakage entry (``<attack>.mse``, ``.iterations``, ``.rmse`` = sqrt of the mean MSE, ...) and of the
+    last round's metrics (``final.<key>``), for experiment tables that name them."""
     run_dir = Path(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -55,6 +57,12 @@ def run_row(label: str, run_dir: str | Path) -> dict[str, Any]:
         a = leak["attack"]
         for k in leak.get("columns", ("psnr", "ssim", "label_acc", "success_content")):
             row[f"{a}.{k}"] = leak.get(k)
+        if full:
+            row.update({f"{a}.{k}": v for k, v in leak.items() if _number(v) and f"{a}.{k}" not in row})
+            if _number(leak.get("mse")):
+                row[f"{a}.rmse"] = math.sqrt(float(leak["mse"]))
+    if full:
+        row.update({f"final.{k}": v for k, v in last.items() if _number(v)})
     return row
 
 

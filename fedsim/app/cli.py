@@ -78,6 +78,13 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_experiment(args: argparse.Namespace) -> int:
+    from fedsim.app.experiment import cmd_experiment
+
+    args.name = args.config
+    return cmd_experiment(args, _shortcuts(args), _seeds(args.seeds))
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
     from fedsim.comparison import compare, comparison_table, table_columns, table_formats
     from fedsim.components import ConfigError
@@ -172,6 +179,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seeds", metavar="S1,S2,...", help="repeat every variant once per seed (replaces the "
                    "file's seeds); the table shows mean ± std")
     s.set_defaults(func=_cmd_sweep)
+
+    e = sub.add_parser("experiment", help="reproduce a paper's table: a named experiment (fedsim experiment --list)",
+                       description="Run a named experiment (experiments/NAME.toml, or a file): a sweep whose report "
+                                   "has tables shaped like the paper's, the systematic evaluation and the paper's "
+                                   "claims checked. Re-run into the same --out to skip completed variants.")
+    _config_arguments(e, "experiment name (e.g. seed004-systematic) or file", "override a config value in every "
+                      "variant that runs (repeatable)", "experiment folder", config_optional=True)
+    e.add_argument("--quick", action="store_true", help="the experiment's quick variant (minutes on 2 CPU cores)")
+    e.add_argument("--list", action="store_true", help="list the experiments")
+    e.add_argument("--only", action="append", metavar="LABEL", help="run only this variant (repeatable)")
+    e.add_argument("--seeds", metavar="S1,S2,...", help="repeat every variant once per seed")
+    e.add_argument("--publish", metavar="DIR", help="copy the full report to DIR/<name>/ with command, date and "
+                   "commit, and update DIR/README.md (e.g. docs/results)")
+    e.set_defaults(func=_cmd_experiment)
 
     c = sub.add_parser("compare", help="compare existing run or sweep folders",
                        description="Tabulate and plot existing run folders (and sweep folders, one entry per "

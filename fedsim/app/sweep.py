@@ -25,8 +25,10 @@ seed (``seed`` replaced; folders ``<nn>-<label>-seed<s>``): the table then shows
 from __future__ import annotations
 
 import copy
+import json
 import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -43,6 +45,7 @@ from fedsim.comparison import (
 from fedsim.config import ConfigError, _merge, absolute_references, apply_overrides, defaults, read_toml
 from fedsim.export import write_csv
 from fedsim.reports import atomic_write_text, new_run_dir, write_jsonl
+from fedsim.tables import check_claims, check_report
 
 variant_row = run_row  # one run folder as a table row (fedsim.comparison.run_row)
 
@@ -55,42 +58,113 @@ def check_seeds(seeds: Any, where: str = "seeds") -> list[int]:
     return list(seeds)
 
 
+VARIANT_META = ("label", "row", "col", "family")  # variant keys that describe it rather than configure it
+
+
+@dataclass
+class SweepSpec:
+    """A sweep or experiment file, resolved: the base config, the variants' labels and configs, the
+    seeds, and (experiments) the ``[experiment]`` description, the ``[report]`` tables, the claims and
+    each variant's ``row`` / ``col`` / ``family`` labels."""
+
+    base: dict[str, Any]
+    variants: list[tuple[str, dict]]
+    seeds: list[int] | None = None
+    experiment: dict[str, Any] = field(default_factory=dict)
+    report: dict[str, Any] = field(default_factory=lambda: {"tables": [], "systematic": None})
+    claims: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, dict[str, str]] = field(default_factory=dict)  # label -> {row, col, family}
+    quick: bool = False
+
+
 def load_sweep(path: str | Path, overrides: Sequence[str] = (),
                only: Sequence[str] = ()) -> tuple[dict[str, Any], list[tuple[str, dict]]]:
     """(base config, [(label, resolved config), ...]); raises ConfigError naming the variant and key.
 
     ``only`` keeps just the variants with these labels; the overrides are applied to those alone (so
     ``--set defenses.0.sigma=...`` works with ``--only`` a variant that has a defense)."""
-    base, out, _ = load_sweep_seeds(path, overrides, only)
-    return base, out
+    spec = load_spec(path, overrides, only)
+    return spec.base, spec.variants
 
 
 def load_sweep_seeds(path: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = ()
                      ) -> tuple[dict[str, Any], list[tuple[str, dict]], list[int] | None]:
     """:func:`load_sweep` plus the file's ``seeds`` (None when it has none)."""
+    spec = load_spec(path, overrides, only)
+    return spec.base, spec.variants, spec.seeds
+
+
+def _check_quick(quick: Any, p: Path, labels: Sequence[str]) -> dict[str, Any]:
+    if not isinstance(quick, dict):
+        raise ConfigError(f"{p}: [quick] must be a table (set = [...], variants = [...], seeds = [...])")
+    unknown = set(quick) - {"set", "variants", "seeds"}
+    if unknown:
+        raise ConfigError(f"{p}: quick: unknown keys {sorted(unknown)} (set, variants, seeds)")
+    if not isinstance(quick.get("set", []), list) or not all(isinstance(x, str) for x in quick.get("set", [])):
+        raise ConfigError(f"{p}: quick.set must be a list of 'section.key=value' strings")
+    vs = quick.get("variants", [])
+    if not isinstance(vs, list) or any(v not in labels for v in vs):
+        raise ConfigError(f"{p}: quick.variants must list variant labels; unknown: "
+                          f"{[v for v in vs if v not in labels] if isinstance(vs, list) else vs!r}")
+    return quick
+
+
+def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = (),
+              quick: bool = False) -> SweepSpec:
+    """Read and validate a sweep/experiment file (every variant's config, the report specs and claims).
+    ``quick`` applies the file's ``[quick]`` table: its ``set`` overrides come before ``overrides`` and
+    its ``variants`` choose the variants unless ``only`` does."""
     p = Path(path)
     data = read_toml(p, "sweep file")
     seeds = check_seeds(data.pop("seeds")) if "seeds" in data else None
     variants = data.pop("variants", None)
+    experiment = data.pop("experiment", {})
+    report = data.pop("report", None)
+    quick_spec = data.pop("quick", None)
     if not isinstance(variants, list) or not variants or not all(isinstance(v, dict) for v in variants):
         raise ConfigError(f"{p}: a sweep needs [[variants]] tables (each with a label)")
+    if not isinstance(experiment, dict):
+        raise ConfigError(f"{p}: [experiment] must be a table (title, paper, scale, notes, claims)")
+    unknown = set(experiment) - {"title", "paper", "scale", "notes", "claims"}
+    if unknown:
+        raise ConfigError(f"{p}: experiment: unknown keys {sorted(unknown)} (title, paper, scale, notes, claims)")
     base = defaults()
     _merge(base, data)
     out = []
     labels = []
+    meta: dict[str, dict[str, str]] = {}
     for i, v in enumerate(variants):
         label = v.get("label")
         if not isinstance(label, str) or not label:
             raise ConfigError(f"variants[{i}].label must be a non-empty string")
         if label in labels:
             raise ConfigError(f"variants[{i}].label {label!r} is used twice")
+        for k in VARIANT_META[1:]:
+            if k in v and not isinstance(v[k], str):
+                raise ConfigError(f"variants[{i}].{k} must be a string, got {v[k]!r}")
         labels.append(label)
+        meta[label] = {"row": v.get("row", label), "col": v.get("col"), "family": v.get("family")}
+    report_spec = check_report(report, f"{p}: report")
+    claims = check_claims(experiment.get("claims"), labels, f"{p}: experiment.claims")
+    pre: list[str] = []
+    if quick:
+        if quick_spec is None:
+            raise ConfigError(f"{p}: --quick: this file has no [quick] table")
+        q = _check_quick(quick_spec, p, labels)
+        pre = list(q.get("set", []))
+        if not only and q.get("variants"):
+            only = list(q["variants"])
+        if "seeds" in q:
+            seeds = check_seeds(q["seeds"], f"{p}: quick.seeds")
+    elif quick_spec is not None:
+        _check_quick(quick_spec, p, labels)
     unknown = [o for o in only if o not in labels]
     if unknown:
         raise ConfigError(f"--only {unknown}: no such variant; variants: {labels}")
+    overrides = [*pre, *overrides]
     for i, v in enumerate(variants):
-        v = dict(v)
-        label = v.pop("label")
+        v = {k: x for k, x in v.items() if k not in VARIANT_META}
+        label = labels[i]
         if only and label not in only:
             continue
         cfg = copy.deepcopy(base)
@@ -110,7 +184,7 @@ def load_sweep_seeds(path: str | Path, overrides: Sequence[str] = (), only: Sequ
             apply_overrides(base, [o])
         except ConfigError:
             pass
-    return base, out, seeds
+    return SweepSpec(base, out, seeds, experiment, report_spec, claims, meta, quick)
 
 
 def _slug(label: str) -> str:
@@ -123,20 +197,23 @@ class SweepFailed(RuntimeError):
 
 def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None,
               progress: bool = True, only: Sequence[str] = (), seeds: Sequence[int] | None = None,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, quick: bool = False) -> Path:
     """Run every variant (once per seed when the file or ``seeds`` gives seeds) into
     ``<out>/<nn>-<label>[-seed<s>]/``. Everything is checked first (configs, data, partitions, the
     variant folders): a bad value anywhere stops the sweep before anything runs. Re-run into the same
     ``out``, completed runs are skipped and interrupted ones resume from their checkpoints;
     ``overwrite`` clears the folder first. A run that fails is recorded (``status`` in its row) and the
-    sweep goes on; :class:`SweepFailed` is raised at the end."""
+    sweep goes on; :class:`SweepFailed` is raised at the end. ``quick`` runs the file's ``[quick]``
+    variant (:func:`load_spec`)."""
     from fedsim.app.runner import run_experiment
     from fedsim.config import check_data
     from fedsim.interrupt import RunInterrupted
     from fedsim.runfolder import RunFolderError, decide, open_sweep_folder
 
-    base, variants, file_seeds = load_sweep_seeds(path, overrides, only)
-    seeds = check_seeds(list(seeds), "--seeds") if seeds is not None else file_seeds
+    spec = load_spec(path, overrides, only, quick)
+    base, variants = spec.base, spec.variants
+    seeds = check_seeds(list(seeds), "--seeds") if seeds is not None else spec.seeds
+    spec.seeds = seeds
     for i, (label, cfg) in enumerate(variants):
         try:
             check_data(cfg)
@@ -147,7 +224,7 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
         out_dir = Path(out)
     else:
         try:
-            out_dir = new_run_dir(base["output"]["dir"], base.get("name", "sweep"))
+            out_dir = new_run_dir(base["output"]["dir"], base.get("name", "sweep") + ("-quick" if quick else ""))
         except OSError as exc:
             raise RunFolderError(f"cannot create a sweep folder in output.dir = {base['output']['dir']!r}: "
                                  f"{exc.strerror or exc}") from None
@@ -203,7 +280,7 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
                 if seed is not None:
                     row["seed"] = seed
                 runs.setdefault(i, []).append(row)
-                write_sweep_outputs(out_dir, base, variants, runs, run_dirs, seeds)
+                write_sweep_outputs(out_dir, base, variants, runs, run_dirs, seeds, spec)
             prog.say(f"sweep done: {len(jobs)} runs in {prog.duration(time.perf_counter() - t0)}; "
                      f"report {out_dir / 'report.md'}")
         if failed:
@@ -217,8 +294,10 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
 
 def write_sweep_outputs(out_dir: Path, base: dict[str, Any], variants: Sequence[tuple[str, dict]],
                         runs: dict[int, list[dict[str, Any]]], run_dirs: dict[int, list[Path]],
-                        seeds: Sequence[int] | None) -> None:
-    """sweep.jsonl/.csv (one row per variant), runs.jsonl/.csv (with seeds), report.md, comparison.png."""
+                        seeds: Sequence[int] | None, spec: SweepSpec | None = None) -> None:
+    """sweep.jsonl/.csv (one row per variant), runs.jsonl/.csv (with seeds), report.md, comparison.png;
+    for an experiment also its paper-shaped tables, the systematic evaluation (``systematic.png``) and
+    the claims (``claims.json``)."""
     order = sorted(runs)
     if seeds:
         rows = [mean_std_rows(variants[i][0], runs[i], [r["seed"] for r in runs[i]]) for i in order]
@@ -237,11 +316,62 @@ def write_sweep_outputs(out_dir: Path, base: dict[str, Any], variants: Sequence[
     write_csv(out_dir / "sweep.csv", rows)
     groups = [(variants[i][0], run_dirs[i]) for i in order if run_dirs.get(i)]
     plot_comparison(groups, rows, out_dir / "comparison.png", title=str(base.get("name", "sweep")))
-    write_sweep_report(out_dir, base, rows, seeds)
+    extra = experiment_sections(out_dir, spec, variants, run_dirs) if spec is not None else []
+    write_sweep_report(out_dir, base, rows, seeds, spec, extra)
+
+
+def experiment_rows(spec: SweepSpec, variants: Sequence[tuple[str, dict]],
+                    run_dirs: dict[int, list[Path]]) -> list[dict[str, Any]]:
+    """One full row per variant that ran (mean over its seeds), with its ``row``/``col``/``family``."""
+    out = []
+    for i, (label, _) in enumerate(variants):
+        dirs = run_dirs.get(i)
+        if not dirs:
+            continue
+        r = mean_std_rows(label, [run_row(label, d, full=True) for d in dirs])
+        out.append({**r, **{k: v for k, v in spec.meta.get(label, {}).items() if v is not None}})
+    return out
+
+
+def experiment_sections(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple[str, dict]],
+                        run_dirs: dict[int, list[Path]]) -> list[str]:
+    """The report's experiment sections (tables shaped like the paper's, systematic evaluation, claims)."""
+    from fedsim.tables import (
+        claims_markdown,
+        evaluate_claims,
+        paper_table,
+        plot_systematic,
+        systematic,
+        systematic_markdown,
+    )
+
+    if not (spec.report["tables"] or spec.report["systematic"] or spec.claims):
+        return []
+    rows = experiment_rows(spec, variants, run_dirs)
+    text = []
+    for t in spec.report["tables"]:
+        text += [f"## {t['title']}\n", paper_table(rows, t), ""]
+        if t.get("note"):
+            text += [t["note"], ""]
+    sys_spec, result = spec.report["systematic"], None
+    if sys_spec:
+        result = systematic(rows, sys_spec)
+        fig = None
+        if result["points"]:
+            plot_systematic(result, sys_spec, out_dir / "systematic.png")
+            fig = "systematic.png"
+        text += [systematic_markdown(result, sys_spec, fig), ""]
+        atomic_write_text(out_dir / "systematic.json", json.dumps(result, indent=1, default=str))
+    if spec.claims:
+        results = evaluate_claims(spec.claims, rows, result, sys_spec)
+        text += [claims_markdown(results), ""]
+        atomic_write_text(out_dir / "claims.json", json.dumps(results, indent=1))
+    return text
 
 
 def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str, Any]],
-                       seeds: Sequence[int] | None = None) -> None:
+                       seeds: Sequence[int] | None = None, spec: SweepSpec | None = None,
+                       extra: Sequence[str] = ()) -> None:
     cols = table_columns(rows)
     fed, train = base["federation"], base["train"]
     repeat = (f" Every variant ran once per seed {list(seeds)}: cells are mean ± sample standard deviation "
@@ -250,7 +380,16 @@ def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str,
     for r in rows:
         runs = r.get("runs") or [r.get("run")]
         links.append(f"{r['variant']}: " + ", ".join(f"[{x}]({x}/report.md)" for x in runs if x))
-    text = [f"# fedsim sweep: {base.get('name', 'sweep')}\n",
+    exp = spec.experiment if spec is not None else {}
+    head = [f"# {exp['title']}\n" if exp.get("title") else f"# fedsim sweep: {base.get('name', 'sweep')}\n"]
+    if exp:
+        head += [f"Paper: {exp['paper']}.\n" if exp.get("paper") else "",
+                 f"Scale: {exp['scale']}\n" if exp.get("scale") else "",
+                 "**Quick variant** (`--quick`): a smoke-test scale; the numbers are not the experiment's.\n"
+                 if spec is not None and spec.quick else "",
+                 f"{exp['notes'].strip()}\n" if exp.get("notes") else ""]
+    text = [*[h for h in head if h], *extra,
+            *(["## All variants\n"] if extra else []),
             f"{len(rows)} variants; {fed['rounds']} rounds, {fed['num_clients']} clients, data "
             f"{base['data']['dataset']}, model {base['model']['name']}, lr {train['lr']}, batch "
             f"{train['batch_size']}. Accuracy/loss: global model on the test set after the last round"

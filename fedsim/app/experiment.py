@@ -1,0 +1,136 @@
+"""``fedsim experiment NAME [--quick] [--out DIR] [--publish DIR]``: the papers' tables, one command each.
+
+An experiment is a sweep file (:mod:`fedsim.app.sweep`: one mechanism) in ``experiments/`` with an
+``[experiment]`` table (title, paper, scale, notes, claims), a ``[quick]`` table (overrides and a
+variant subset that run in minutes on 2 CPU cores: the CI smoke test runs every one) and a
+``[report]`` table (tables shaped like the paper's, the systematic evaluation; :mod:`fedsim.tables`).
+``NAME`` is a file or the stem of one in ``experiments/``. Re-running into the same ``--out`` skips
+the variants whose runs are complete. ``--publish DIR`` (e.g. ``docs/results``) copies the report
+and its figures to ``DIR/<name>/`` with the command, date and commit, and rewrites ``DIR/README.md``:
+every published experiment's claims, our numbers and whether they hold.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from fedsim.config import ConfigError, read_toml
+from fedsim.reports import atomic_write_text
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPERIMENTS = ROOT / "experiments"
+
+
+def experiment_files(folder: Path = EXPERIMENTS) -> dict[str, Path]:
+    """Every file in ``folder`` with an ``[experiment]`` table, by stem."""
+    out = {}
+    for p in sorted(folder.glob("*.toml")):
+        try:
+            if "experiment" in read_toml(p, "experiment file"):
+                out[p.stem] = p
+        except ConfigError:
+            continue
+    return out
+
+
+def resolve(name: str) -> Path:
+    p = Path(name)
+    if p.suffix == ".toml" or p.exists():
+        if not p.is_file():
+            raise ConfigError(f"experiment file {name}: no such file")
+        return p
+    known = experiment_files()
+    if name not in known:
+        raise ConfigError(f"experiment {name!r}: no such experiment; known: {', '.join(known) or 'none'}")
+    return known[name]
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+local changes" if dirty else "") if out.returncode == 0 else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def publish(run_dir: Path, dest_root: Path, name: str, argv: Sequence[str]) -> Path:
+    """Copy the experiment's report and figures to ``dest_root/name/`` with command, date and commit
+    and rewrite ``dest_root/README.md``."""
+    dest = dest_root / name
+    dest.mkdir(parents=True, exist_ok=True)
+    for old in dest.iterdir():
+        if old.is_file():
+            old.unlink()
+    stamp = (f"> Command: `{shlex.join(['fedsim', *argv])}`  \n> Date: "
+             f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}  \n> Commit: {_commit()}  \n"
+             f"> Run folder (not in the repo): `{run_dir}`\n\n")
+    text = (run_dir / "report.md").read_text()
+    title, _, rest = text.partition("\n")
+    atomic_write_text(dest / "report.md", f"{title}\n\n{stamp}{rest}")
+    for f in ("claims.json", "systematic.json", "sweep.csv"):
+        if (run_dir / f).exists():
+            shutil.copy2(run_dir / f, dest / f)
+    for png in run_dir.glob("*.png"):
+        shutil.copy2(png, dest / png.name)
+    meta = {"name": name, "title": title.lstrip("# ").strip(), "command": shlex.join(["fedsim", *argv]),
+            "date": _dt.date.today().isoformat(), "commit": _commit()}
+    atomic_write_text(dest / "meta.json", json.dumps(meta, indent=1))
+    write_results_index(dest_root)
+    return dest
+
+
+def write_results_index(root: Path) -> None:
+    """``root/README.md``: one section per published experiment: claim, our numbers, holds or not."""
+    lines = ["# Results\n", "Each folder holds an experiment's latest full report (`fedsim experiment NAME "
+             "--publish docs/results`), with its command, date and commit. The table lists every paper claim "
+             "the experiments check: what the paper says, what we measured, and whether it holds here. The "
+             "reports say why numbers differ (offline data, scale, CPU).\n",
+             "| experiment | claim | our numbers | holds |", "|---|---|---|---|"]
+    for d in sorted(p for p in root.iterdir() if (p / "meta.json").exists()):
+        meta = json.loads((d / "meta.json").read_text())
+        claims = json.loads((d / "claims.json").read_text()) if (d / "claims.json").exists() else []
+        link = f"[{meta['title']}]({d.name}/report.md)"
+        if not claims:
+            lines.append(f"| {link} | (tables only) | see report | - |")
+        for c in claims:
+            holds = "yes" if c["holds"] else ("no" if c["holds"] is False else "not measured")
+            lines.append(f"| {link} | {c['text']} | {c['ours']} | {holds} |")
+    atomic_write_text(root / "README.md", "\n".join(lines) + "\n")
+
+
+def cmd_experiment(args: Any, shortcuts: Sequence[str], seeds: list[int] | None) -> int:
+    from fedsim.app.sweep import run_sweep
+
+    if args.list:
+        for stem, p in experiment_files().items():
+            data = read_toml(p, "experiment file")
+            print(f"{stem:<22} {data['experiment'].get('title', '')}")
+        return 0
+    if not args.name:
+        raise ConfigError("fedsim experiment: name an experiment (fedsim experiment --list shows them)")
+    path = resolve(args.name)
+    out = args.out
+    if args.resume:
+        if out is not None and Path(out) != Path(args.resume):
+            raise ConfigError(f"--out {out} and --resume {args.resume} name different folders")
+        if not Path(args.resume).is_dir():
+            raise ConfigError(f"--resume {args.resume}: no such experiment folder")
+        out = args.resume
+    if args.publish and (args.quick or args.only):
+        raise ConfigError("--publish is for full-scale reports of every variant; drop --quick / --only")
+    run_dir = run_sweep(path, [*(args.set or []), *shortcuts], out=out, progress=not args.quiet,
+                        only=args.only or [], seeds=seeds, overwrite=args.overwrite, quick=args.quick)
+    print(f"[fedsim] experiment {path.stem} results in {run_dir}  (report: {Path(run_dir) / 'report.md'})")
+    if args.publish:
+        dest = publish(Path(run_dir), Path(args.publish), path.stem, sys.argv[1:])
+        print(f"[fedsim] published to {dest} (index: {Path(args.publish) / 'README.md'})")
+    return 0

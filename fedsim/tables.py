@@ -1,0 +1,315 @@
+"""Paper-shaped tables, the systematic evaluation (seed 004 eq. 3) and checked claims for experiments.
+
+An experiment (``fedsim experiment NAME``: a sweep file with ``[experiment]``, ``[quick]`` and
+``[report]`` tables, :mod:`fedsim.app.sweep`) gives every variant a ``row`` and optionally a ``col``
+label and its report one or more tables laid out like the paper's:
+
+* :func:`paper_table` - ``[[report.tables]]``: rows are the variants' ``row`` labels (in file order),
+  columns ``cells`` (``{key, header, scale, fmt}``; a key is any column of the variant's row, e.g.
+  ``accuracy``, ``idlg.ssim``, ``ig.rmse``, ``final.<metric>``), one group of cells per ``col`` label
+  when the variants have them; ``layout = "cells-as-rows"`` puts the cells under each row instead
+  (seed 004's Table 4: attacks as rows, defense settings as columns);
+* :func:`systematic` - ``[report.systematic]``: for every defense setting (a variant) the strongest
+  attack's reconstruction error (the smallest error over the attack set: eq. 3's inner optimum) and the
+  utility loss against the undefended variant of the same ``row`` (final loss increase or accuracy
+  drop); the best defense at equal utility (largest strongest-attack error among the settings within a
+  utility budget) and the utility-privacy scatter (Fig. 3);
+* :func:`check_claims` - ``[[experiment.claims]]``: a paper claim as a comparison of two cells
+  (``"variant:column"``) or of a cell with a number, evaluated on the rows: our numbers and whether it
+  holds (``docs/results/README.md``).
+"""
+from __future__ import annotations
+
+import math
+import operator
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from fedsim.config import ConfigError
+
+LAYOUTS = ("cells-as-columns", "cells-as-rows")
+OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(float(v)) else None
+
+
+def _cell(v: Any, spec: Mapping[str, Any]) -> str:
+    x = _num(v)
+    if x is None:
+        return "-" if v is None else str(v)
+    return format(x * float(spec.get("scale", 1.0)), spec.get("fmt", ".3f"))
+
+
+# ------------------------------------------------------------------ validation of the [report] specs
+def check_cells(cells: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(cells, list) or not cells:
+        raise ConfigError(f"{where}.cells must be a non-empty list of {{key = ..., header = ...}} tables")
+    out = []
+    for i, c in enumerate(cells):
+        c = {"key": c} if isinstance(c, str) else c
+        if not isinstance(c, dict) or not isinstance(c.get("key"), str) or not c["key"]:
+            raise ConfigError(f"{where}.cells[{i}] must be a column name or a table with a 'key'")
+        unknown = set(c) - {"key", "header", "scale", "fmt"}
+        if unknown:
+            raise ConfigError(f"{where}.cells[{i}]: unknown keys {sorted(unknown)} (key, header, scale, fmt)")
+        if "scale" in c and _num(c["scale"]) is None:
+            raise ConfigError(f"{where}.cells[{i}].scale must be a number, got {c['scale']!r}")
+        try:
+            format(1.0, c.get("fmt", ".3f"))
+        except (ValueError, TypeError):
+            raise ConfigError(f"{where}.cells[{i}].fmt is not a number format: {c.get('fmt')!r}") from None
+        out.append({"header": c["key"], **c})
+    return out
+
+
+def check_report(report: Any, where: str = "report") -> dict[str, Any]:
+    """Validate ``[report]`` (tables and systematic); returns it normalised."""
+    if report is None:
+        return {"tables": [], "systematic": None}
+    if not isinstance(report, dict):
+        raise ConfigError(f"{where} must be a table")
+    unknown = set(report) - {"tables", "systematic"}
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (tables, systematic)")
+    tables = []
+    for i, t in enumerate(report.get("tables", [])):
+        w = f"{where}.tables[{i}]"
+        if not isinstance(t, dict) or not isinstance(t.get("title"), str):
+            raise ConfigError(f"{w} must be a table with a 'title'")
+        unknown = set(t) - {"title", "cells", "layout", "row_header", "note"}
+        if unknown:
+            raise ConfigError(f"{w}: unknown keys {sorted(unknown)} (title, cells, layout, row_header, note)")
+        layout = t.get("layout", "cells-as-columns")
+        if layout not in LAYOUTS:
+            raise ConfigError(f"{w}.layout must be one of {list(LAYOUTS)}, got {layout!r}")
+        tables.append({**t, "cells": check_cells(t.get("cells"), w), "layout": layout})
+    sys_ = report.get("systematic")
+    if sys_ is not None:
+        w = f"{where}.systematic"
+        if not isinstance(sys_, dict):
+            raise ConfigError(f"{w} must be a table")
+        unknown = set(sys_) - {"error", "attacks", "utility", "reference", "budgets", "higher_is_safer"}
+        if unknown:
+            raise ConfigError(f"{w}: unknown keys {sorted(unknown)}")
+        if sys_.get("utility", "loss") not in ("loss", "accuracy"):
+            raise ConfigError(f"{w}.utility must be 'loss' (final loss increase) or 'accuracy' (accuracy drop)")
+        if not isinstance(sys_.get("attacks"), list) or not sys_["attacks"] or \
+                not all(isinstance(a, str) for a in sys_["attacks"]):
+            raise ConfigError(f"{w}.attacks must be a non-empty list of attack names")
+        if not isinstance(sys_.get("reference"), str):
+            raise ConfigError(f"{w}.reference must be the family of the undefended variants (e.g. 'none')")
+        budgets = sys_.get("budgets", [])
+        if not isinstance(budgets, list) or not all(_num(b) is not None for b in budgets):
+            raise ConfigError(f"{w}.budgets must be a list of numbers (utility-loss levels)")
+        sys_ = {"error": "rmse", "utility": "loss", "budgets": [], **sys_}
+    return {"tables": tables, "systematic": sys_}
+
+
+def check_claims(claims: Any, labels: Sequence[str], where: str = "experiment.claims") -> list[dict[str, Any]]:
+    if claims is None:
+        return []
+    if not isinstance(claims, list):
+        raise ConfigError(f"{where} must be a list of tables (text, value, op, than)")
+    out = []
+    for i, c in enumerate(claims):
+        w = f"{where}[{i}]"
+        if not isinstance(c, dict) or not isinstance(c.get("text"), str):
+            raise ConfigError(f"{w} must be a table with 'text'")
+        if "best_family" in c:  # the systematic evaluation's winner within a utility budget
+            if not isinstance(c["best_family"], str) or _num(c.get("budget")) is None:
+                raise ConfigError(f"{w}: best_family must be a family name and budget a number")
+            out.append(dict(c))
+            continue
+        if c.get("op") not in OPS:
+            raise ConfigError(f"{w}.op must be one of {list(OPS)}, got {c.get('op')!r}")
+        for k in ("value", "than"):
+            v = c.get(k)
+            if k == "than" and _num(v) is not None:
+                continue
+            if not isinstance(v, str) or ":" not in v:
+                raise ConfigError(f"{w}.{k} must be 'variant label:column'" + (" or a number" if k == "than" else ""))
+            if v.rsplit(":", 1)[0] not in labels:
+                raise ConfigError(f"{w}.{k}: no variant labelled {v.rsplit(':', 1)[0]!r}")
+        out.append(dict(c))
+    return out
+
+
+# ------------------------------------------------------------------ tables
+def _ordered(values: Sequence[str | None]) -> list[str]:
+    out: list[str] = []
+    for v in values:
+        if v is not None and v not in out:
+            out.append(v)
+    return out
+
+
+def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> str:
+    """A markdown table shaped like the paper's (module docstring). ``rows`` carry ``row``/``col``."""
+    cells = spec["cells"]
+    row_labels = _ordered([r.get("row") for r in rows])
+    col_labels = _ordered([r.get("col") for r in rows])
+    at = {(r.get("row"), r.get("col")): r for r in rows}
+    head = spec.get("row_header", "")
+    lines: list[list[str]] = []
+    if spec["layout"] == "cells-as-rows":
+        cols = col_labels or [None]
+        header = [head, ""] + [c or "" for c in cols]
+        for rl in row_labels:
+            for c in cells:
+                lines.append([rl, c["header"]] + [_cell((at.get((rl, cl)) or {}).get(c["key"]), c) for cl in cols])
+    elif col_labels:
+        header = [head] + [f"{cl}: {c['header']}" if len(cells) > 1 else cl for cl in col_labels for c in cells]
+        for rl in row_labels:
+            lines.append([rl] + [_cell((at.get((rl, cl)) or {}).get(c["key"]), c) for cl in col_labels for c in cells])
+    else:
+        header = [head] + [c["header"] for c in cells]
+        for rl in row_labels:
+            lines.append([rl] + [_cell((at.get((rl, None)) or {}).get(c["key"]), c) for c in cells])
+    md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    md += ["| " + " | ".join(x) + " |" for x in lines]
+    return "\n".join(md)
+
+
+# ------------------------------------------------------------------ systematic evaluation (seed 004)
+def systematic(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> dict[str, Any]:
+    """Per variant: the strongest attack (smallest ``<attack>.<error>`` over ``spec["attacks"]``), its
+    error and the utility loss against the reference variant of the same ``row``; per budget: the best
+    defense at equal utility. Variants without a reference or without any attack error are listed in
+    ``missing``."""
+    err, attacks = spec["error"], spec["attacks"]
+    refs = {r.get("row"): r for r in rows if r.get("family") == spec["reference"]}
+    points, missing = [], []
+    for r in rows:
+        errs = {a: _num(r.get(f"{a}.{err}")) for a in attacks}
+        errs = {a: e for a, e in errs.items() if e is not None}
+        ref = refs.get(r.get("row"))
+        if not errs or ref is None:
+            missing.append(r["variant"])
+            continue
+        strongest = min(errs, key=lambda a: errs[a])
+        if spec["utility"] == "loss":
+            u = (_num(r.get("loss")) or math.nan) - (_num(ref.get("loss")) or math.nan)
+        else:
+            u = (_num(ref.get("accuracy")) or math.nan) - (_num(r.get("accuracy")) or math.nan)
+        points.append({"variant": r["variant"], "family": r.get("family"), "row": r.get("row"),
+                       "col": r.get("col"), "strongest": strongest, "error": errs[strongest],
+                       "errors": errs, "utility_loss": u, "reference": r.get("family") == spec["reference"]})
+    best = []
+    for b in spec.get("budgets", []):
+        ok = [p for p in points if not p["reference"] and math.isfinite(p["utility_loss"]) and p["utility_loss"] <= b]
+        by_family: dict[str, dict[str, Any]] = {}
+        for p in ok:
+            f = str(p["family"])
+            if f not in by_family or p["error"] > by_family[f]["error"]:
+                by_family[f] = p
+        winner = max(ok, key=lambda p: p["error"]) if ok else None
+        best.append({"budget": float(b), "best": winner, "by_family": by_family})
+    return {"points": points, "best": best, "missing": missing}
+
+
+def systematic_markdown(result: Mapping[str, Any], spec: Mapping[str, Any], figure: str | None) -> str:
+    err, util = spec["error"], spec["utility"]
+    ulabel = "final loss increase" if util == "loss" else "accuracy drop"
+    lines = ["## Systematic evaluation (seed 004, eq. 3)\n",
+             f"For each defense setting: the strongest attack of {spec['attacks']} (smallest reconstruction "
+             f"{err.upper()}), its {err.upper()} (the defense's worst case: larger is safer) and the utility loss "
+             f"({ulabel} against the undefended run with the same row).\n",
+             f"| setting | row | strongest attack | {err.upper()} | utility loss | " +
+             " | ".join(f"{a} {err.upper()}" for a in spec["attacks"]) + " |",
+             "|" + "---|" * (5 + len(spec["attacks"]))]
+    for p in result["points"]:
+        lines.append(f"| {p['variant']} | {p['row'] or ''} | {p['strongest']} | {p['error']:.4f} | "
+                     f"{p['utility_loss']:+.4f} | " +
+                     " | ".join(f"{p['errors'][a]:.4f}" if a in p["errors"] else "-" for a in spec["attacks"]) + " |")
+    if result["best"]:
+        fams = _ordered([str(p["family"]) for p in result["points"] if not p["reference"]])
+        lines += ["", "**Best defense at equal utility**: among the settings whose utility loss is within the "
+                  f"budget, the one whose strongest attack has the largest {err.upper()} (per family: its best "
+                  "setting within the budget).\n",
+                  "| utility budget | best defense | its " + err.upper() + " | " + " | ".join(fams) + " |",
+                  "|" + "---|" * (3 + len(fams))]
+        for b in result["best"]:
+            w = b["best"]
+            lines.append(f"| <= {b['budget']:g} | {w['variant'] if w else 'none within budget'} | "
+                         f"{w['error']:.4f} | " if w else f"| <= {b['budget']:g} | none within budget | - | ")
+            lines[-1] += " | ".join(f"{b['by_family'][f]['error']:.4f} ({b['by_family'][f]['variant']})"
+                                    if f in b["by_family"] else "-" for f in fams) + " |"
+    if result["missing"]:
+        lines.append(f"\nNot evaluated (no attack error or no reference run in their row): {result['missing']}")
+    if figure:
+        lines.append(f"\n![utility-privacy]({figure})\n")
+    return "\n".join(lines)
+
+
+def plot_systematic(result: Mapping[str, Any], spec: Mapping[str, Any], path: Path) -> None:
+    """The utility-privacy scatter (seed 004 Fig. 3): strongest-attack error against utility loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from fedsim.reports import save_figure
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    fams = _ordered([str(p["family"]) for p in result["points"]])
+    rows = _ordered([p["row"] for p in result["points"] if p["row"] is not None])
+    markers = "osD^v<>P*X"
+    for fam in fams:
+        for j, rl in enumerate(rows or [None]):
+            ps = [p for p in result["points"] if str(p["family"]) == fam and p["row"] == rl]
+            if ps:
+                ax.scatter([p["utility_loss"] for p in ps], [p["error"] for p in ps], marker=markers[j % len(markers)],
+                           label=f"{fam}" + (f" ({rl})" if rl else ""), s=36)
+    ax.set_xlabel("utility loss (" + ("final loss increase" if spec["utility"] == "loss" else "accuracy drop") + ")")
+    ax.set_ylabel(f"strongest attack's {spec['error'].upper()} (larger = safer)")
+    ax.set_title("utility-privacy trade-off (seed 004 Fig. 3)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    save_figure(fig, path)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------ claims
+def evaluate_claims(claims: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any]],
+                    sys_result: Mapping[str, Any] | None = None, sys_spec: Mapping[str, Any] | None = None
+                    ) -> list[dict[str, Any]]:
+    by_label = {r["variant"]: r for r in rows}
+
+    def value(ref: Any) -> float | None:
+        if _num(ref) is not None:
+            return float(ref)
+        label, col = str(ref).rsplit(":", 1)
+        return _num(by_label.get(label, {}).get(col))
+
+    out = []
+    for c in claims:
+        if "best_family" in c:
+            winner = None
+            if sys_result is not None and sys_spec is not None:
+                winner = systematic(rows, {**sys_spec, "budgets": [c["budget"]]})["best"][0]["best"]
+            out.append({"text": c["text"], "holds": None if winner is None else winner["family"] == c["best_family"],
+                        "ours": "no setting within the budget" if winner is None else
+                        f"best within utility loss <= {c['budget']:g}: {winner['variant']} "
+                        f"({winner['strongest']} {winner['error']:.4f})"})
+            continue
+        a, b = value(c["value"]), value(c["than"])
+        holds = None if a is None or b is None else bool(OPS[c["op"]](a, b))
+        out.append({"text": c["text"], "value": a, "than": b, "op": c["op"], "holds": holds,
+                    "ours": f"{c['value']} = {a:.4g} {c['op']} {c['than']}" + (f" = {b:.4g}" if _num(c['than']) is None
+                                                                             and b is not None else "")
+                    if a is not None else f"{c['value']} missing"})
+    return out
+
+
+def claims_markdown(results: Sequence[Mapping[str, Any]]) -> str:
+    if not results:
+        return ""
+    lines = ["## Paper claims\n", "| claim | our numbers | holds |", "|---|---|---|"]
+    for r in results:
+        holds = "yes" if r["holds"] else ("no" if r["holds"] is False else "not measured")
+        lines.append(f"| {r['text']} | {r['ours']} | {holds} |")
+    return "\n".join(lines)
