@@ -365,6 +365,20 @@ def num_perturbed(num_slices: int, gamma: float) -> int:
 _RISK_CACHE: "OrderedDict[tuple, list[float]]" = OrderedDict()  # per process: clients share the plan work
 
 
+def biased_root(x: torch.Tensor, y: torch.Tensor, n: int, bias: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The root set of ``n`` samples with a share ``bias`` from one class (the lowest label), the rest
+    the first samples of the other classes (seed 000 Table III[C]); ``bias = 0``: the first ``n``."""
+    n = min(int(n), len(y))
+    if bias <= 0.0:
+        return x[:n], y[:n]
+    cls = y.min()
+    same = torch.nonzero(y == cls).flatten()
+    other = torch.nonzero(y != cls).flatten()
+    k = min(int(round(bias * n)), len(same))
+    idx = torch.cat([same[:k], other[: n - k]])
+    return x[idx], y[idx]
+
+
 def _digest_tensors(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -403,6 +417,9 @@ class LocalRandomPerturbation(Defense):
         scale and no compensation can recover it.
     risk : ``"sensitivity"`` (eq. 1-2 risk balancing) or ``"size"`` (Table III[A]'s baseline).
     root_size : number of public root samples (``ctx.public_data``, first ones) used for the risk.
+    root_bias : Table III[C]'s bias probability: this share of the root set is drawn from one class (the
+        public split's lowest label), the rest are the split's first samples of the other classes; 0
+        (default): the first ``root_size`` samples (a uniform sample of the public split).
     risk_method : ``"auto"``, ``"exact"`` or ``"randomized"`` (see :func:`layer_risk`).
     probes : Rademacher probes per root sample for the randomized estimator.
     block_risk : ``"layer"`` (R_b = R_l) or ``"share"`` (R_b = R_l * b / S_l), see the module doc.
@@ -428,7 +445,8 @@ class LocalRandomPerturbation(Defense):
 
     def __init__(self, slices: int = 10, gamma: float = 0.3, sigma: float = 0.1, scale: str = "gradient",
                  risk: str = "sensitivity", root_size: int = 100, risk_method: str = "auto", probes: int = 8,
-                 block_risk: str = "layer", plan_from: str = "global", clip: float | None = None):
+                 block_risk: str = "layer", plan_from: str = "global", clip: float | None = None,
+                 root_bias: float = 0.0):
         if int(slices) < 1:
             raise ValueError(f"slices must be >= 1, got {slices}")
         if not 0.0 < float(gamma) <= 1.0:
@@ -451,6 +469,9 @@ class LocalRandomPerturbation(Defense):
             raise ValueError(f"plan_from must be 'global' or 'reinit', got {plan_from!r}")
         if clip is not None and not float(clip) > 0:
             raise ValueError(f"clip must be > 0 or unset, got {clip}")
+        if not 0.0 <= float(root_bias) <= 1.0:
+            raise ValueError(f"root_bias must be in [0, 1], got {root_bias}")
+        self.root_bias = float(root_bias)
         self.slices, self.gamma, self.sigma = int(slices), float(gamma), float(sigma)
         self.scale, self.risk, self.root_size = scale, risk, int(root_size)
         self.risk_method, self.probes, self.block_risk = risk_method, int(probes), block_risk
@@ -490,7 +511,7 @@ class LocalRandomPerturbation(Defense):
             return build_plan(sizes, self.slices, None, method="size")
         if ctx.public_data is None:
             raise ValueError("lrp with risk='sensitivity' needs the public root data (ctx.public_data)")
-        x_root, y_root = ctx.public_data
+        x_root, y_root = biased_root(*ctx.public_data, self.root_size, self.root_bias)
         ref = _reinit_copy(model) if self.plan_from == "reinit" else model
         tp = list(trainable_parameters(ref).values())
         key = (_digest_tensors(tp + list(ref.buffers())), _digest_tensors([x_root[:self.root_size],
@@ -536,8 +557,8 @@ class LocalRandomPerturbation(Defense):
         """What the cached plan depends on (a changed config recomputes it)."""
         return np.array([self.slices, ("sensitivity", "size").index(self.risk), self.root_size,
                          RISK_METHODS.index(self.risk_method), self.probes,
-                         ("layer", "share").index(self.block_risk), ("global", "reinit").index(self.plan_from)],
-                        dtype=np.int64)
+                         ("layer", "share").index(self.block_risk), ("global", "reinit").index(self.plan_from),
+                         int(round(self.root_bias * 1e6))], dtype=np.int64)
 
     # ---- §V-C per-sample clipping ---------------------------------------------------------------
     def compute_gradient(self, model: nn.Module, loss_fn: LossFn, x: torch.Tensor, y: torch.Tensor,

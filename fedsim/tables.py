@@ -4,7 +4,8 @@ An experiment (``fedsim experiment NAME``: a sweep file with ``[experiment]``, `
 ``[report]`` tables, :mod:`fedsim.app.sweep`) gives every variant a ``row`` and optionally a ``col``
 label and its report one or more tables laid out like the paper's:
 
-* :func:`paper_table` - ``[[report.tables]]``: rows are the variants' ``row`` labels (in file order),
+* :func:`paper_table` - ``[[report.tables]]``: rows are the variants' ``row`` labels (in file order;
+  ``rows = [...]`` keeps some),
   columns ``cells`` (``{key, header, scale, fmt}``; a key is any column of the variant's row, e.g.
   ``accuracy``, ``idlg.ssim``, ``ig.rmse``, ``final.<metric>``), one group of cells per ``col`` label
   when the variants have them; ``layout = "cells-as-rows"`` puts the cells under each row instead
@@ -15,7 +16,7 @@ label and its report one or more tables laid out like the paper's:
   drop); the best defense at equal utility (largest strongest-attack error among the settings within a
   utility budget) and the utility-privacy scatter (Fig. 3);
 * :func:`check_claims` - ``[[experiment.claims]]``: a paper claim as a comparison of two cells
-  (``"variant:column"``) or of a cell with a number, evaluated on the rows: our numbers and whether it
+  (``"variant:column"``) or of a cell with a number (plus an optional ``margin``), evaluated on the rows: our numbers and whether it
   holds (``docs/results/README.md``).
 """
 from __future__ import annotations
@@ -80,9 +81,11 @@ def check_report(report: Any, where: str = "report") -> dict[str, Any]:
         w = f"{where}.tables[{i}]"
         if not isinstance(t, dict) or not isinstance(t.get("title"), str):
             raise ConfigError(f"{w} must be a table with a 'title'")
-        unknown = set(t) - {"title", "cells", "layout", "row_header", "note"}
+        unknown = set(t) - {"title", "cells", "layout", "row_header", "note", "rows"}
         if unknown:
-            raise ConfigError(f"{w}: unknown keys {sorted(unknown)} (title, cells, layout, row_header, note)")
+            raise ConfigError(f"{w}: unknown keys {sorted(unknown)} (title, cells, layout, row_header, note, rows)")
+        if "rows" in t and (not isinstance(t["rows"], list) or not all(isinstance(r, str) for r in t["rows"])):
+            raise ConfigError(f"{w}.rows must be a list of row labels (the variants' row)")
         layout = t.get("layout", "cells-as-columns")
         if layout not in LAYOUTS:
             raise ConfigError(f"{w}.layout must be one of {list(LAYOUTS)}, got {layout!r}")
@@ -126,6 +129,8 @@ def check_claims(claims: Any, labels: Sequence[str], where: str = "experiment.cl
             continue
         if c.get("op") not in OPS:
             raise ConfigError(f"{w}.op must be one of {list(OPS)}, got {c.get('op')!r}")
+        if "margin" in c and _num(c["margin"]) is None:
+            raise ConfigError(f"{w}.margin must be a number (the claim is: value op than + margin)")
         for k in ("value", "than"):
             v = c.get(k)
             if k == "than" and _num(v) is not None:
@@ -148,8 +153,11 @@ def _ordered(values: Sequence[str | None]) -> list[str]:
 
 
 def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> str:
-    """A markdown table shaped like the paper's (module docstring). ``rows`` carry ``row``/``col``."""
+    """A markdown table shaped like the paper's (module docstring). ``rows`` carry ``row``/``col``;
+    ``spec["rows"]`` (optional) keeps only the variants with those row labels."""
     cells = spec["cells"]
+    if spec.get("rows") is not None:
+        rows = [r for r in rows if r.get("row") in spec["rows"]]
     row_labels = _ordered([r.get("row") for r in rows])
     col_labels = _ordered([r.get("col") for r in rows])
     at = {(r.get("row"), r.get("col")): r for r in rows}
@@ -297,11 +305,15 @@ def evaluate_claims(claims: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[
                         f"({winner['strongest']} {winner['error']:.4f})"})
             continue
         a, b = value(c["value"]), value(c["than"])
-        holds = None if a is None or b is None else bool(OPS[c["op"]](a, b))
-        out.append({"text": c["text"], "value": a, "than": b, "op": c["op"], "holds": holds,
-                    "ours": f"{c['value']} = {a:.4g} {c['op']} {c['than']}" + (f" = {b:.4g}" if _num(c['than']) is None
-                                                                             and b is not None else "")
-                    if a is not None else f"{c['value']} missing"})
+        m = float(c.get("margin", 0.0))
+        holds = None if a is None or b is None else bool(OPS[c["op"]](a, b + m))
+        than = f"{c['than']}" + (f" = {b:.4g}" if _num(c["than"]) is None and b is not None else "")
+        ours = (f"{c['value']} = {a:.4g} {c['op']} {than}" + (f" {m:+g}" if m else "")) if a is not None \
+            else f"{c['value']} missing"
+        if b is None and a is not None:
+            ours = f"{c['than']} missing"
+        out.append({"text": c["text"], "value": a, "than": b, "op": c["op"], "margin": m, "holds": holds,
+                    "ours": ours})
     return out
 
 

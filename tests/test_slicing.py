@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from clients.slicing import (
+    biased_root,
     _RISK_CACHE,
     LocalRandomPerturbation,
     SlicingPlan,
@@ -375,3 +376,20 @@ def test_lrp_reinit_plan_ignores_the_current_weights(lenet_bn_setup):
                    DefensePipeline([lrp]))
         digests.append(res.metrics["defense.0.lrp.plan_digest"])
     assert digests[0] == digests[1]
+
+
+def test_biased_root_set_table3c():
+    """root_bias: that share of the root set comes from one class, the rest from the others in order."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 5, (200,), generator=g)
+    assert int((y == 0).sum()) >= 20
+    x = torch.arange(200, dtype=torch.float32).reshape(200, 1)
+    xs, ys = biased_root(x, y, 40, 0.0)
+    assert torch.equal(xs, x[:40]) and torch.equal(ys, y[:40])
+    for bias in (0.25, 0.6, 1.0):
+        xs, ys = biased_root(x, y, 20, bias)
+        assert len(ys) == 20 and int((ys == y.min()).sum()) == round(bias * 20)
+        assert torch.equal(ys, y[xs.flatten().long()])  # the samples travel with their labels
+        assert len(set(xs.flatten().tolist())) == 20
+    with pytest.raises(ValueError, match="root_bias"):
+        build_pipeline([{"name": "lrp", "root_bias": 1.5}])

@@ -1,0 +1,194 @@
+"""``fedsim experiment``: paper-shaped tables, the systematic evaluation, claims, quick variants of every
+experiment (the CI smoke test), resume and publishing."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fedsim.app.cli import main as cli_main
+from fedsim.app.experiment import experiment_files, write_results_index
+from fedsim.app.sweep import load_spec
+from fedsim.config import ConfigError
+from fedsim.tables import check_report, evaluate_claims, paper_table, systematic
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rows():
+    """Two rows (batch sizes) x (reference + two families x two strengths), errors of two attacks."""
+    rows = []
+    for b, base_loss in (("B=1", 1.0), ("B=4", 1.2)):
+        rows.append({"variant": f"none {b}", "row": b, "col": "none", "family": "none", "loss": base_loss,
+                     "accuracy": 0.8, "a.rmse": 0.10, "b.rmse": 0.30})
+        for fam, strength, du, ea, eb in (("prune", "0.5", 0.02, 0.20, 0.25), ("prune", "0.9", 0.20, 0.40, 0.35),
+                                          ("noise", "0.1", 0.04, 0.15, 0.50), ("noise", "1", 0.50, 0.60, 0.70)):
+            rows.append({"variant": f"{fam} {strength} {b}", "row": b, "col": f"{fam} {strength}", "family": fam,
+                         "loss": base_loss + du, "accuracy": 0.8 - du, "a.rmse": ea, "b.rmse": eb})
+    return rows
+
+
+def test_paper_table_layouts():
+    rows = _rows()
+    spec = check_report({"tables": [{"title": "t", "cells": [{"key": "a.rmse", "header": "A", "fmt": ".2f"},
+                                                                 {"key": "b.rmse", "header": "B"}],
+                                     "layout": "cells-as-rows", "row_header": "batch"}]})["tables"][0]
+    lines = paper_table(rows, spec).splitlines()
+    assert lines[0] == "| batch |  | none | prune 0.5 | prune 0.9 | noise 0.1 | noise 1 |"
+    assert len(lines) == 2 + 2 * 2  # header, rule, (2 batch rows x 2 attacks)
+    assert lines[2] == "| B=1 | A | 0.10 | 0.20 | 0.40 | 0.15 | 0.60 |"
+    assert lines[5].startswith("| B=4 | B | 0.300 | 0.250 |")
+    spec = check_report({"tables": [{"title": "t", "cells": [{"key": "loss", "header": "L", "scale": 10}]}]})
+    lines = paper_table(rows, spec["tables"][0]).splitlines()
+    assert lines[0] == "|  | none | prune 0.5 | prune 0.9 | noise 0.1 | noise 1 |"  # one cell: the col is the header
+    assert lines[3] == "| B=4 | 12.000 | 12.200 | 14.000 | 12.400 | 17.000 |"
+    # a missing value shows as '-', never as a made-up number
+    rows[1].pop("a.rmse")
+    spec = check_report({"tables": [{"title": "t", "cells": ["a.rmse"]}]})["tables"][0]
+    assert "| B=1 | 0.100 | - |" in paper_table(rows, spec)
+
+
+def test_systematic_takes_the_strongest_attack_and_the_best_defense_within_budget():
+    rows = _rows()
+    spec = check_report({"systematic": {"attacks": ["a", "b"], "reference": "none", "budgets": [0.05, 0.3, 1.0]}}
+                        )["systematic"]
+    res = systematic(rows, spec)
+    assert len(res["points"]) == len(rows) and not res["missing"]
+    for p in res["points"]:
+        r = next(x for x in rows if x["variant"] == p["variant"])
+        ref = next(x for x in rows if x["family"] == "none" and x["row"] == r["row"])
+        assert p["error"] == min(r["a.rmse"], r["b.rmse"])  # eq. 3: the strongest attack
+        assert p["strongest"] == ("a" if r["a.rmse"] <= r["b.rmse"] else "b")
+        assert p["utility_loss"] == pytest.approx(r["loss"] - ref["loss"])
+    best = {b["budget"]: b["best"]["variant"] for b in res["best"]}
+    # within 0.05: prune 0.5 (min 0.20) beats noise 0.1 (min 0.15); within 0.3: prune 0.9 (0.35); within 1:
+    # noise 1 (0.60) - at either batch size (equal errors): the first in file order
+    assert best[0.05] == "prune 0.5 B=1" and best[0.3] == "prune 0.9 B=1" and best[1.0] == "noise 1 B=1"
+    acc = systematic(rows, {**spec, "utility": "accuracy"})
+    assert all(p["utility_loss"] == pytest.approx(q["utility_loss"]) for p, q in zip(acc["points"], res["points"]))
+
+
+def test_claims_are_evaluated_on_the_numbers():
+    rows = _rows()
+    spec = check_report({"systematic": {"attacks": ["a", "b"], "reference": "none"}})["systematic"]
+    claims = [{"text": "x", "value": "prune 0.9 B=1:a.rmse", "op": ">", "than": "none B=1:a.rmse"},
+              {"text": "y", "value": "noise 0.1 B=4:a.rmse", "op": "<", "than": 0.1},
+              {"text": "z", "best_family": "prune", "budget": 0.3},
+              {"text": "w", "best_family": "prune", "budget": 1.0},
+              {"text": "v", "value": "prune 0.5 B=1:accuracy", "op": ">=", "than": "none B=1:accuracy", "margin": -0.01},
+              {"text": "u", "value": "prune 0.5 B=1:accuracy", "op": ">=", "than": "none B=1:accuracy", "margin": -0.03}]
+    out = evaluate_claims(claims, rows, {}, spec)
+    # v: 0.78 >= 0.80 - 0.01 fails; u: 0.78 >= 0.80 - 0.03 holds
+    assert [c["holds"] for c in out] == [True, False, True, False, False, True]
+    assert "0.4" in out[0]["ours"] and "noise 1 B=1" in out[3]["ours"]
+    rows = [r for r in rows if r["variant"] != "none B=1"]
+    assert evaluate_claims(claims[:1], rows)[0]["holds"] is None  # a missing cell: not measured, not "no"
+
+
+@pytest.mark.parametrize("bad, msg", [
+    ('[report]\nwhat = 1', "report: unknown keys"),
+    ('[[report.tables]]\ntitle = "t"\ncells = []', r"report.tables\[0\].cells must be"),
+    ('[[report.tables]]\ntitle = "t"\ncells = ["loss"]\nlayout = "diagonal"', "layout must be one of"),
+    ('[report.systematic]\nattacks = ["idlg"]\nreference = "none"\nutility = "speed"', "utility must be"),
+    ('[quick]\nvariants = ["nope"]', "quick.variants must list variant labels"),
+    ('[[experiment.claims]]\ntext = "t"\nvalue = "nope:loss"\nop = ">"\nthan = 1', "no variant labelled 'nope'"),
+    ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~"\nthan = 1', "op must be one of"),
+])
+def test_bad_experiment_files_name_the_key(tmp_path, bad, msg):
+    p = tmp_path / "e.toml"
+    p.write_text(f'name = "e"\n[experiment]\ntitle = "t"\n{bad}\n[[variants]]\nlabel = "a"\n')
+    with pytest.raises(ConfigError, match=msg):
+        load_spec(p)
+
+
+def test_quick_needs_a_quick_table_and_picks_its_variants(tmp_path):
+    p = tmp_path / "e.toml"
+    p.write_text('name = "e"\n[[variants]]\nlabel = "a"\n[[variants]]\nlabel = "b"\n')
+    with pytest.raises(ConfigError, match="has no \\[quick\\] table"):
+        load_spec(p, quick=True)
+    p.write_text('name = "e"\n[train]\nlocal_steps = 1\n[quick]\nset = ["federation.rounds=1"]\nvariants = ["b"]\n'
+                 '[[variants]]\nlabel = "a"\n[[variants]]\nlabel = "b"\nrow = "r"\n')
+    spec = load_spec(p, quick=True)
+    assert [lab for lab, _ in spec.variants] == ["b"] and spec.variants[0][1]["federation"]["rounds"] == 1
+    assert spec.meta["b"]["row"] == "r" and spec.meta["a"]["row"] == "a"  # row defaults to the label
+    assert "row" not in spec.variants[0][1]  # descriptive keys never reach the config
+    assert len(load_spec(p).variants) == 2
+
+
+EXPERIMENTS = experiment_files()
+
+
+def test_every_paper_has_an_experiment():
+    papers = " ".join(json.dumps(load_spec(p).experiment.get("paper", "")) for p in EXPERIMENTS.values())
+    for seed in ("seed 000", "seed 001", "seed 002", "seed 003", "seed 004"):
+        assert seed in papers, f"no experiment reproduces {seed}"
+
+
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
+def test_quick_variant_runs_and_has_the_papers_table_shape(name, tmp_path):
+    """The CI smoke test: every experiment's quick variant runs and its report has each table's rows and
+    columns (the variants' row/col labels), and its claims are evaluated."""
+    out = tmp_path / name
+    assert cli_main(["experiment", name, "--quick", "--out", str(out), "-q"]) == 0
+    spec = load_spec(EXPERIMENTS[name], quick=True)
+    report = (out / "report.md").read_text()
+    all_labels = [lab for lab, _ in spec.variants]
+    for t in spec.report["tables"]:
+        labels = [lab for lab in all_labels if t.get("rows") is None or spec.meta[lab]["row"] in t["rows"]]
+        if not labels:  # the quick variant runs none of this table's rows: the table is empty
+            continue
+        section = report.split(f"## {t['title']}\n", 1)[1].split("\n## ", 1)[0]
+        lines = [ln for ln in section.splitlines() if ln.startswith("|")]
+        rows = list(dict.fromkeys(spec.meta[lab]["row"] for lab in labels))
+        cols = list(dict.fromkeys(spec.meta[lab]["col"] for lab in labels if spec.meta[lab]["col"]))
+        per_row = len(t["cells"]) if t["layout"] == "cells-as-rows" else 1
+        assert len(lines) == 2 + len(rows) * per_row, t["title"]
+        for c in cols:
+            assert c in lines[0], (t["title"], c)
+        body = [ln.split("|")[1].strip() for ln in lines[2:]]
+        assert body == [r for r in rows for _ in range(per_row)]
+        # every variant that ran shows measured numbers (a cell may be '-' where it does not apply, e.g.
+        # FedAvg has no own-key accuracy, but no variant is all '-')
+        pairs = {(spec.meta[lab]["row"], spec.meta[lab]["col"]) for lab in labels}
+        numbers = sum(1 for ln in lines[2:] for x in ln.split("|")[2:-1] if x.strip() not in ("-", ""))
+        assert numbers >= len(pairs), section
+    if spec.report["systematic"]:
+        assert (out / "systematic.png").stat().st_size > 5000
+        sys_ = json.loads((out / "systematic.json").read_text())
+        assert {p["variant"] for p in sys_["points"]} == set(all_labels)
+        assert all(math.isfinite(p["error"]) for p in sys_["points"])
+    if spec.claims:
+        claims = json.loads((out / "claims.json").read_text())
+        assert [c["text"] for c in claims] == [c["text"] for c in spec.claims]
+
+
+def test_rerun_skips_complete_variants_and_publish_writes_the_index(tmp_path, capsys):
+    name = "seed004-systematic"
+    out = tmp_path / "x"
+    args = ["experiment", name, "--quick", "--only", "none B=1", "--out", str(out)]
+    assert cli_main(args) == 0
+    run = next(out.glob("00-*"))
+    stamp = (run / "summary.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert cli_main(args) == 0
+    assert (run / "summary.json").stat().st_mtime_ns == stamp  # not run again
+    assert cli_main(["experiment", name, "--quick", "--publish", str(tmp_path / "pub")]) == 2
+    assert "--publish is for full-scale reports" in capsys.readouterr().err and not (tmp_path / "pub").exists()
+    from fedsim.app.experiment import publish
+
+    dest = publish(out, tmp_path / "pub", name, ["experiment", name])
+    text = (dest / "report.md").read_text()
+    assert "> Command: `fedsim experiment seed004-systematic`" in text and "> Commit:" in text
+    index = (tmp_path / "pub" / "README.md").read_text()
+    assert f"({name}/report.md)" in index and "Gradient pruning is the best defense" in index
+    (tmp_path / "pub" / "other").mkdir()  # a folder without meta.json is not an experiment
+    write_results_index(tmp_path / "pub")
+    assert (tmp_path / "pub" / "README.md").read_text() == index
+
+
+def test_unknown_experiment_lists_the_known_ones(capsys):
+    assert cli_main(["experiment", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no such experiment" in err and "seed004-systematic" in err
