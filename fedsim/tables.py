@@ -122,6 +122,11 @@ def check_claims(claims: Any, labels: Sequence[str], where: str = "experiment.cl
         w = f"{where}[{i}]"
         if not isinstance(c, dict) or not isinstance(c.get("text"), str):
             raise ConfigError(f"{w} must be a table with 'text'")
+        if "most_often_strongest" in c:
+            if not isinstance(c["most_often_strongest"], str):
+                raise ConfigError(f"{w}.most_often_strongest must be an attack name")
+            out.append(dict(c))
+            continue
         if "best_family" in c:  # the systematic evaluation's winner within a utility budget
             if not isinstance(c["best_family"], str) or _num(c.get("budget")) is None:
                 raise ConfigError(f"{w}: best_family must be a family name and budget a number")
@@ -207,16 +212,23 @@ def systematic(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> di
                        "col": r.get("col"), "strongest": strongest, "error": errs[strongest],
                        "errors": errs, "utility_loss": u, "reference": r.get("family") == spec["reference"]})
     best = []
-    for b in spec.get("budgets", []):
-        ok = [p for p in points if not p["reference"] and math.isfinite(p["utility_loss"]) and p["utility_loss"] <= b]
-        by_family: dict[str, dict[str, Any]] = {}
-        for p in ok:
-            f = str(p["family"])
-            if f not in by_family or p["error"] > by_family[f]["error"]:
-                by_family[f] = p
-        winner = max(ok, key=lambda p: p["error"]) if ok else None
-        best.append({"budget": float(b), "best": winner, "by_family": by_family})
-    return {"points": points, "best": best, "missing": missing}
+    rows_seen = _ordered([p["row"] for p in points]) or [None]
+    for rl in rows_seen:  # equal utility at equal batch size (row): the defenses compete within a row
+        for b in spec.get("budgets", []):
+            ok = [p for p in points if p["row"] == rl and not p["reference"] and math.isfinite(p["utility_loss"])
+                  and p["utility_loss"] <= b]
+            by_family: dict[str, dict[str, Any]] = {}
+            for p in ok:
+                f = str(p["family"])
+                if f not in by_family or p["error"] > by_family[f]["error"]:
+                    by_family[f] = p
+            winner = max(ok, key=lambda p: p["error"]) if ok else None
+            best.append({"row": rl, "budget": float(b), "best": winner, "by_family": by_family})
+    strongest: dict[str, int] = {}
+    for p in points:
+        if not p["reference"]:
+            strongest[p["strongest"]] = strongest.get(p["strongest"], 0) + 1
+    return {"points": points, "best": best, "missing": missing, "strongest_counts": strongest}
 
 
 def systematic_markdown(result: Mapping[str, Any], spec: Mapping[str, Any], figure: str | None) -> str:
@@ -238,14 +250,17 @@ def systematic_markdown(result: Mapping[str, Any], spec: Mapping[str, Any], figu
         lines += ["", "**Best defense at equal utility**: among the settings whose utility loss is within the "
                   f"budget, the one whose strongest attack has the largest {err.upper()} (per family: its best "
                   "setting within the budget).\n",
-                  "| utility budget | best defense | its " + err.upper() + " | " + " | ".join(fams) + " |",
-                  "|" + "---|" * (3 + len(fams))]
+                  "| row | utility budget | best defense | its " + err.upper() + " | " + " | ".join(fams) + " |",
+                  "|" + "---|" * (4 + len(fams))]
         for b in result["best"]:
             w = b["best"]
-            lines.append(f"| <= {b['budget']:g} | {w['variant'] if w else 'none within budget'} | "
-                         f"{w['error']:.4f} | " if w else f"| <= {b['budget']:g} | none within budget | - | ")
+            lines.append(f"| {b['row'] or ''} | <= {b['budget']:g} | {w['variant'] if w else 'none within budget'} | "
+                         + (f"{w['error']:.4f} | " if w else "- | "))
             lines[-1] += " | ".join(f"{b['by_family'][f]['error']:.4f} ({b['by_family'][f]['variant']})"
                                     if f in b["by_family"] else "-" for f in fams) + " |"
+    if result.get("strongest_counts"):
+        counts = ", ".join(f"{a} {n}" for a, n in sorted(result["strongest_counts"].items(), key=lambda x: -x[1]))
+        lines.append(f"\nStrongest attack per defended setting (count): {counts}.")
     if result["missing"]:
         lines.append(f"\nNot evaluated (no attack error or no reference run in their row): {result['missing']}")
     if figure:
@@ -266,12 +281,17 @@ def plot_systematic(result: Mapping[str, Any], spec: Mapping[str, Any], path: Pa
     fams = _ordered([str(p["family"]) for p in result["points"]])
     rows = _ordered([p["row"] for p in result["points"] if p["row"] is not None])
     markers = "osD^v<>P*X"
-    for fam in fams:
+    colours = plt.get_cmap("tab10")
+    for i, fam in enumerate(fams):  # one colour per defense family, one marker per row (batch size)
         for j, rl in enumerate(rows or [None]):
             ps = [p for p in result["points"] if str(p["family"]) == fam and p["row"] == rl]
             if ps:
                 ax.scatter([p["utility_loss"] for p in ps], [p["error"] for p in ps], marker=markers[j % len(markers)],
-                           label=f"{fam}" + (f" ({rl})" if rl else ""), s=36)
+                           color=colours(i % 10), label=f"{fam}" + (f" ({rl})" if rl else ""), s=36)
+    losses = [abs(p["utility_loss"]) for p in result["points"] if math.isfinite(p["utility_loss"])]
+    small = sorted(x for x in losses if x > 0)
+    if small and max(losses) > 20 * small[len(small) // 2]:  # an outlier (a diverged run) would flatten the rest
+        ax.set_xscale("symlog", linthresh=max(small[len(small) // 2], 1e-6))
     ax.set_xlabel("utility loss (" + ("final loss increase" if spec["utility"] == "loss" else "accuracy drop") + ")")
     ax.set_ylabel(f"strongest attack's {spec['error'].upper()} (larger = safer)")
     ax.set_title("utility-privacy trade-off (seed 004 Fig. 3)")
@@ -295,14 +315,22 @@ def evaluate_claims(claims: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[
 
     out = []
     for c in claims:
-        if "best_family" in c:
-            winner = None
-            if sys_result is not None and sys_spec is not None:
-                winner = systematic(rows, {**sys_spec, "budgets": [c["budget"]]})["best"][0]["best"]
-            out.append({"text": c["text"], "holds": None if winner is None else winner["family"] == c["best_family"],
-                        "ours": "no setting within the budget" if winner is None else
-                        f"best within utility loss <= {c['budget']:g}: {winner['variant']} "
-                        f"({winner['strongest']} {winner['error']:.4f})"})
+        if "best_family" in c:  # holds when that family wins within the budget at every row (batch size)
+            winners = []
+            if sys_spec is not None:
+                winners = [b["best"] for b in systematic(rows, {**sys_spec, "budgets": [c["budget"]]})["best"]]
+            got = [w for w in winners if w is not None]
+            out.append({"text": c["text"], "holds": None if not got else all(w["family"] == c["best_family"] for w in got),
+                        "ours": "no setting within the budget" if not got else
+                        f"best within utility loss <= {c['budget']:g}: " + "; ".join(
+                            f"{w['variant']} ({w['strongest']} {w['error']:.4f})" for w in got)})
+            continue
+        if "most_often_strongest" in c:  # the attack that is strongest in the most defended settings
+            counts = systematic(rows, sys_spec)["strongest_counts"] if sys_spec is not None else {}
+            top = max(counts.values()) if counts else None
+            out.append({"text": c["text"], "holds": None if not counts else counts.get(c["most_often_strongest"]) == top,
+                        "ours": "not measured" if not counts else "strongest attack per defended setting: " +
+                        ", ".join(f"{a} {n}" for a, n in sorted(counts.items(), key=lambda x: -x[1]))})
             continue
         a, b = value(c["value"]), value(c["than"])
         m = float(c.get("margin", 0.0))

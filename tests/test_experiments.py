@@ -62,10 +62,15 @@ def test_systematic_takes_the_strongest_attack_and_the_best_defense_within_budge
         assert p["error"] == min(r["a.rmse"], r["b.rmse"])  # eq. 3: the strongest attack
         assert p["strongest"] == ("a" if r["a.rmse"] <= r["b.rmse"] else "b")
         assert p["utility_loss"] == pytest.approx(r["loss"] - ref["loss"])
-    best = {b["budget"]: b["best"]["variant"] for b in res["best"]}
-    # within 0.05: prune 0.5 (min 0.20) beats noise 0.1 (min 0.15); within 0.3: prune 0.9 (0.35); within 1:
-    # noise 1 (0.60) - at either batch size (equal errors): the first in file order
-    assert best[0.05] == "prune 0.5 B=1" and best[0.3] == "prune 0.9 B=1" and best[1.0] == "noise 1 B=1"
+    best = {(b["row"], b["budget"]): b["best"]["variant"] for b in res["best"]}
+    # per batch size (row): within 0.05 prune 0.5 (min 0.20) beats noise 0.1 (min 0.15); within 0.3 prune
+    # 0.9 (0.35); within 1 noise 1 (0.60)
+    for r in ("B=1", "B=4"):
+        assert best[(r, 0.05)] == f"prune 0.5 {r}" and best[(r, 0.3)] == f"prune 0.9 {r}"
+        assert best[(r, 1.0)] == f"noise 1 {r}"
+    assert len(res["best"]) == 2 * 3
+    # strongest attack per defended setting: a in 3 of 4 (noise 0.1 -> a 0.15; prune 0.9 -> b 0.35)
+    assert res["strongest_counts"] == {"a": 6, "b": 2}
     acc = systematic(rows, {**spec, "utility": "accuracy"})
     assert all(p["utility_loss"] == pytest.approx(q["utility_loss"]) for p, q in zip(acc["points"], res["points"]))
 
@@ -76,13 +81,14 @@ def test_claims_are_evaluated_on_the_numbers():
     claims = [{"text": "x", "value": "prune 0.9 B=1:a.rmse", "op": ">", "than": "none B=1:a.rmse"},
               {"text": "y", "value": "noise 0.1 B=4:a.rmse", "op": "<", "than": 0.1},
               {"text": "z", "best_family": "prune", "budget": 0.3},
+              {"text": "s", "most_often_strongest": "a"},
               {"text": "w", "best_family": "prune", "budget": 1.0},
               {"text": "v", "value": "prune 0.5 B=1:accuracy", "op": ">=", "than": "none B=1:accuracy", "margin": -0.01},
               {"text": "u", "value": "prune 0.5 B=1:accuracy", "op": ">=", "than": "none B=1:accuracy", "margin": -0.03}]
     out = evaluate_claims(claims, rows, {}, spec)
     # v: 0.78 >= 0.80 - 0.01 fails; u: 0.78 >= 0.80 - 0.03 holds
-    assert [c["holds"] for c in out] == [True, False, True, False, False, True]
-    assert "0.4" in out[0]["ours"] and "noise 1 B=1" in out[3]["ours"]
+    assert [c["holds"] for c in out] == [True, False, True, True, False, False, True]
+    assert "0.4" in out[0]["ours"] and "noise 1 B=1" in out[4]["ours"] and "a 6" in out[3]["ours"]
     rows = [r for r in rows if r["variant"] != "none B=1"]
     assert evaluate_claims(claims[:1], rows)[0]["holds"] is None  # a missing cell: not measured, not "no"
 
