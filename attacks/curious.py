@@ -354,10 +354,15 @@ class CuriousServer(Observer):
             rs = [r for r in self.rows if r["attack"] == name]
             if not rs:
                 continue
+            conv = [r["converged_at"] + 1 for r in rs if r.get("converged_at") is not None]
             out.append({"attack": name, "attacks_run": len(rs),
                         **{k: float(np.mean([r[k] for r in rs if r[k] is not None]))
                            for k in ("psnr", "ssim", "mse", "label_acc", "success_content", "success_label",
-                                     "iterations", "seconds")}})
+                                     "iterations", "seconds")},
+                        # seed 001's "attack iterations": iterations until the gradient distance fell below the
+                        # attack's threshold, over the attacks that got there (share: ``converged``)
+                        "converged_iterations": float(np.mean(conv)) if conv else None,
+                        "converged": len(conv) / len(rs)})
         return out
 
     def write_outputs(self, final: bool = False) -> None:

@@ -5,7 +5,8 @@ An experiment (``fedsim experiment NAME``: a sweep file with ``[experiment]``, `
 label and its report one or more tables laid out like the paper's:
 
 * :func:`paper_table` - ``[[report.tables]]``: rows are the variants' ``row`` labels (in file order;
-  ``rows = [...]`` keeps some),
+  ``rows = [...]`` keeps some; ``expand = [names]`` makes one column per name, substituting it for
+  ``{name}`` in the cell keys: one run with several attacks, a column per attack),
   columns ``cells`` (``{key, header, scale, fmt}``; a key is any column of the variant's row, e.g.
   ``accuracy``, ``idlg.ssim``, ``ig.rmse``, ``final.<metric>``), one group of cells per ``col`` label
   when the variants have them; ``layout = "cells-as-rows"`` puts the cells under each row instead
@@ -81,9 +82,13 @@ def check_report(report: Any, where: str = "report") -> dict[str, Any]:
         w = f"{where}.tables[{i}]"
         if not isinstance(t, dict) or not isinstance(t.get("title"), str):
             raise ConfigError(f"{w} must be a table with a 'title'")
-        unknown = set(t) - {"title", "cells", "layout", "row_header", "note", "rows"}
+        unknown = set(t) - {"title", "cells", "layout", "row_header", "note", "rows", "expand"}
         if unknown:
-            raise ConfigError(f"{w}: unknown keys {sorted(unknown)} (title, cells, layout, row_header, note, rows)")
+            raise ConfigError(f"{w}: unknown keys {sorted(unknown)} (title, cells, layout, row_header, note, rows, "
+                              "expand)")
+        if "expand" in t and (not isinstance(t["expand"], list) or not t["expand"]
+                              or not all(isinstance(e, str) for e in t["expand"])):
+            raise ConfigError(f"{w}.expand must be a non-empty list of names (e.g. attacks) for '{{name}}' in cell keys")
         if "rows" in t and (not isinstance(t["rows"], list) or not all(isinstance(r, str) for r in t["rows"])):
             raise ConfigError(f"{w}.rows must be a list of row labels (the variants' row)")
         layout = t.get("layout", "cells-as-columns")
@@ -163,6 +168,19 @@ def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> s
     cells = spec["cells"]
     if spec.get("rows") is not None:
         rows = [r for r in rows if r.get("row") in spec["rows"]]
+    if spec.get("expand"):  # columns are the names, each cell key's {name} replaced by the column's name
+        by_row = {r.get("row"): r for r in rows}
+        names = spec["expand"]
+        if spec["layout"] == "cells-as-rows":
+            header = [spec.get("row_header", ""), ""] + names
+            body = [[rl, c["header"]] + [_cell(by_row[rl].get(c["key"].replace("{name}", n)), c) for n in names]
+                    for rl in by_row for c in cells]
+        else:
+            header = [spec.get("row_header", "")] + [f"{n}: {c['header']}" for n in names for c in cells]
+            body = [[rl] + [_cell(by_row[rl].get(c["key"].replace("{name}", n)), c) for n in names for c in cells]
+                    for rl in by_row]
+        return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                         + ["| " + " | ".join(x) + " |" for x in body])
     row_labels = _ordered([r.get("row") for r in rows])
     col_labels = _ordered([r.get("col") for r in rows])
     at = {(r.get("row"), r.get("col")): r for r in rows}

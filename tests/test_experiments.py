@@ -44,6 +44,11 @@ def test_paper_table_layouts():
     lines = paper_table(rows, spec["tables"][0]).splitlines()
     assert lines[0] == "|  | none | prune 0.5 | prune 0.9 | noise 0.1 | noise 1 |"  # one cell: the col is the header
     assert lines[3] == "| B=4 | 12.000 | 12.200 | 14.000 | 12.400 | 17.000 |"
+    # expand: one run with several attacks, a column per attack name
+    spec = check_report({"tables": [{"title": "t", "expand": ["a", "b"], "layout": "cells-as-rows",
+                                     "cells": [{"key": "{name}.rmse", "header": "RMSE", "fmt": ".2f"}]}]})
+    lines = paper_table([r for r in rows if r["family"] == "none"], spec["tables"][0]).splitlines()
+    assert lines[0] == "|  |  | a | b |" and lines[2:] == ["| B=1 | RMSE | 0.10 | 0.30 |", "| B=4 | RMSE | 0.10 | 0.30 |"]
     # a missing value shows as '-', never as a made-up number
     rows[1].pop("a.rmse")
     spec = check_report({"tables": [{"title": "t", "cells": ["a.rmse"]}]})["tables"][0]
@@ -148,7 +153,7 @@ def test_quick_variant_runs_and_has_the_papers_table_shape(name, tmp_path):
         section = report.split(f"## {t['title']}\n", 1)[1].split("\n## ", 1)[0]
         lines = [ln for ln in section.splitlines() if ln.startswith("|")]
         rows = list(dict.fromkeys(spec.meta[lab]["row"] for lab in labels))
-        cols = list(dict.fromkeys(spec.meta[lab]["col"] for lab in labels if spec.meta[lab]["col"]))
+        cols = t.get("expand") or list(dict.fromkeys(spec.meta[lab]["col"] for lab in labels if spec.meta[lab]["col"]))
         per_row = len(t["cells"]) if t["layout"] == "cells-as-rows" else 1
         assert len(lines) == 2 + len(rows) * per_row, t["title"]
         for c in cols:
