@@ -121,6 +121,25 @@ def aggregate_noise_variance(weights: Sequence[float], variances: Sequence[float
     return float(np.sum(p ** 2 * s))
 
 
+def paper_noise_variance(weights: Sequence[float], variances: Sequence[float]) -> float:
+    """Seed 000's printed noise variance of the aggregate (§V-C): ``sigma_hat^2 = m * (d/s) * sum_i eps_i
+    sigma^2`` with ``eps_i = w_i / W`` the aggregation weights, ``d/s`` the share of perturbed slices and
+    ``sigma^2`` the noise variance of a perturbed entry. A client's declared per-entry variance already is
+    ``(d/s) * sigma_i^2`` (the noise averaged over all coordinates), so this is ``m * sum_i eps_i v_i``.
+
+    For m equal clients with equal noise it is ``m^2`` times :func:`aggregate_noise_variance` (the
+    variance of a *sum* of ``m`` updates, not of their weighted mean)."""
+    w = np.asarray(weights, dtype=np.float64)
+    s = np.asarray(variances, dtype=np.float64)
+    aggregate_noise_variance(w, s)  # same validation
+    if len(w) == 0:
+        return 0.0
+    return float(len(w) * np.sum(w / w.sum() * s))
+
+
+VARIANCE_RULES = {"weighted-mean": aggregate_noise_variance, "paper": paper_noise_variance}
+
+
 class GlobalUpdateCompensation:
     """Compensates an aggregated update given as a list of arrays (state-dict order).
 

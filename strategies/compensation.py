@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from fedsim.compensation import GlobalUpdateCompensation, aggregate_noise_variance
+from fedsim.compensation import VARIANCE_RULES, GlobalUpdateCompensation
 from fedsim.components import TRANSFORMS
 from fedsim.protocol import NOISE_VARIANCE
 from fedsim.rounds import RoundContext
@@ -35,14 +35,23 @@ def _floating(a: np.ndarray) -> bool:
 @TRANSFORMS.register
 class MPCompensation(ServerTransform):
     """Marchenko-Pastur compensation of the aggregated update (``Q``: aspect ratio of the matrix the
-    update is reshaped into, paper default 6; ``mode``: ``band`` as printed or ``threshold``)."""
+    update is reshaped into, paper default 6; ``mode``: ``band`` as printed or ``threshold``).
+
+    ``variance`` is how the aggregate's noise variance is computed from the variances the clients
+    declare: ``"weighted-mean"`` (default) the per-entry variance of FedAvg's weighted mean,
+    ``sum_i p_i^2 sigma_i^2``; ``"paper"`` seed 000's printed ``m * (d/s) * sum_i eps_i sigma^2``
+    (:func:`fedsim.compensation.paper_noise_variance`), ``m^2`` times larger for equal clients: the
+    paper's exact procedure (docs/seed000.md compares them)."""
 
     name = "mp-compensation"
 
     def __init__(self, Q: float = 6.0, mode: str = "band", noise_variance: float | None = None,
-                 feedback: bool = False):
+                 feedback: bool = False, variance: str = "weighted-mean"):
         if noise_variance is not None and noise_variance < 0:
             raise ValueError(f"noise_variance must be >= 0, got {noise_variance}")
+        if variance not in VARIANCE_RULES:
+            raise ValueError(f"variance must be one of {list(VARIANCE_RULES)}, got {variance!r}")
+        self.variance_rule = VARIANCE_RULES[variance]
         self.noise_variance = noise_variance
         self.feedback = bool(feedback)
         self.compensator = GlobalUpdateCompensation(Q=Q, mode=mode)
@@ -63,7 +72,7 @@ class MPCompensation(ServerTransform):
         replies = ctx.replies
         weights = ctx.weights if ctx.weights is not None else [float(r.num_examples) for r in replies]
         vs = [float(r.metrics.get(NOISE_VARIANCE, 0.0)) for r in replies]
-        return aggregate_noise_variance(weights, vs) if any(v > 0 for v in vs) else None
+        return self.variance_rule(weights, vs) if any(v > 0 for v in vs) else None
 
     def after_aggregate(self, ctx: RoundContext, aggregate: list[np.ndarray]) -> list[np.ndarray]:
         var = self.aggregate_variance(ctx)

@@ -124,3 +124,16 @@ def test_global_update_compensation_on_state_dict_lists():
         offset += size
     for i in (2, 3):  # the buffers really were compensated (the constant 3.0 / 2.0 vectors moved)
         assert np.abs(out2[i] - arrays[i]).max() > 1e-3, i
+
+
+def test_paper_noise_variance_formula():
+    """seed 000 §V-C: m * (d/s) * sum_i eps_i sigma^2 with the declared v_i = (d/s) sigma_i^2."""
+    from fedsim.compensation import VARIANCE_RULES, paper_noise_variance
+
+    assert paper_noise_variance([1] * 10, [0.2] * 10) == pytest.approx(10 * 0.2)
+    assert paper_noise_variance([30, 10], [1.0, 2.0]) == pytest.approx(2 * (0.75 * 1.0 + 0.25 * 2.0))
+    # equal clients: m^2 times the weighted-mean variance
+    assert paper_noise_variance([1] * 5, [0.3] * 5) == pytest.approx(25 * aggregate_noise_variance([1] * 5, [0.3] * 5))
+    assert set(VARIANCE_RULES) == {"weighted-mean", "paper"}
+    with pytest.raises(ValueError):
+        paper_noise_variance([1, 2], [0.1])

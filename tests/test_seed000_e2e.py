@@ -27,6 +27,7 @@ import torch
 import fedsim.app.server
 from fedsim.app.runner import run_experiment
 from fedsim.compensation import aggregate_noise_variance, compensate_with_info, matrix_shape
+from fedsim.config import ConfigError
 from fedsim.reports import read_jsonl
 
 LRP = {"name": "lrp", "slices": 10, "gamma": 0.3, "sigma": 0.1}  # the paper's GIA setting, var 1e-2, 30%
@@ -226,6 +227,29 @@ def test_strategy_applies_compensation_with_the_aggregate_noise_variance(tmp_pat
                           for k, g in zip(names, glob)])
     np.testing.assert_allclose(got, comp_flat, rtol=1e-4, atol=1e-6)
     assert np.linalg.norm(got - flat) > 0.1 * np.linalg.norm(flat)  # and it is not the plain FedAvg mean
+
+
+def test_paper_variance_formula_option(tmp_path, recorder):
+    """``variance = "paper"``: the strategy uses seed 000's printed sigma_hat^2 = m (d/s) sum_i eps_i sigma^2,
+    recomputed here from each client's realised perturbed share d/s and sigma, and compensates with it."""
+    lr, sigma = 0.05, 0.5
+    cfg = _make("federation.num_clients=4", "federation.rounds=1", f"train.lr={lr}", "train.local_steps=2",
+                'data.partition="pathological"', "data.min_per_class=5", "data.max_per_class=40",
+                'transforms=[{name="mp-compensation", variance="paper"}]', defenses=[{**LRP, "sigma": sigma}],
+                output__dir=str(tmp_path))
+    run_dir = run_experiment(cfg, out=tmp_path / "run", observers=[recorder], progress=False)
+    ups = sorted(recorder.by_round()[1], key=lambda u: u.client_id)
+    n = np.array([u.num_examples for u in ups], dtype=np.float64)
+    eps = n / n.sum()
+    ds = np.array([u.metrics["defense.0.lrp.fraction_perturbed"] for u in ups])
+    paper = len(ups) * float(np.sum(eps * ds * (lr * sigma) ** 2))
+    comp = _rows(run_dir)[1]
+    assert comp["mp-compensation.variance"] == pytest.approx(paper, rel=1e-9)
+    assert comp["mp-compensation.noise_var"] == pytest.approx(paper, rel=1e-9)
+    mean_rule = aggregate_noise_variance(n, [u.metrics["noise_variance"] for u in ups])
+    assert paper > 5 * mean_rule  # the printed formula is m^2 x larger for equal clients (here 4 unequal ones)
+    with pytest.raises(ConfigError, match="variance must be one of"):
+        _make('transforms=[{name="mp-compensation", variance="exact"}]')
 
 
 def test_error_feedback_carries_what_compensation_removed(tmp_path, recorder):
