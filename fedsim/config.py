@@ -59,6 +59,8 @@ SCHEMA: dict[str, Field] = {
     "federation.rounds": Field(int, 5, min=1),
     "federation.num_clients": Field(int, 10, min=1),
     "federation.clients_per_round": Field(int, 0, min=0, help="0 = all clients every round"),
+    "federation.round_timeout": Field(NUM, 3600.0, min=1.0, help="seconds a round waits for its replies; "
+                                      "clients that have not answered by then are recorded as failed"),
     "data.dataset": Field(str, "fmnist-small", help="a built-in dataset, or your own: a registered name or an "
                           "import reference 'module:function' / 'path/file.py:function' (docs/plugins.md)"),
     "data.params": Field(dict, {}, help="keyword parameters of your own dataset function"),
@@ -316,6 +318,9 @@ def validate(cfg: dict[str, Any]) -> None:
 
 def _check_simulation(sim: Mapping[str, Any]) -> None:
     """Resources a local Ray cluster can never give (Flower's engine would stall waiting for clients)."""
+    if sim.get("ray_address") and sim["backend"] != "ray":
+        raise ConfigError(f"simulation.ray_address = {sim['ray_address']!r} joins a Ray cluster, but "
+                          f"simulation.backend = {sim['backend']!r} runs no Ray: set simulation.backend = \"ray\"")
     if sim["backend"] != "ray" or sim.get("ray_address"):
         return
     cpus = os.cpu_count() or 1

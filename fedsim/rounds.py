@@ -212,18 +212,27 @@ class RoundEngine:
     def _send(self, grid: Grid, messages: list[Message], stage: str, server_round: int,
               record: RoundRecord, by_node: Mapping[int, list[int]]) -> list[Message]:
         """send_and_receive; error replies recorded as failures (of every partition the node was asked
-        for); every message must be answered."""
+        for), and so is every message not answered within ``federation.round_timeout`` (a node that
+        died or lost its connection): the round goes on with the replies it has."""
         replies = list(grid.send_and_receive(messages, timeout=self.timeout))
-        if len(replies) < len(messages):
-            got = {r.metadata.src_node_id for r in replies}
-            lost = [by_node.get(m.metadata.dst_node_id, m.metadata.dst_node_id)
-                    for m in messages if m.metadata.dst_node_id not in got]
-            raise RuntimeError(f"round {server_round} ({stage}): {len(messages)} messages sent, "
-                               f"{len(replies)} replies received; no reply from clients {lost[:10]}")
+        # a reply answers one message; error replies the SuperLink makes for a node it lost (deployment
+        # engine: "Node Unavailable") carry the SuperLink's id as their source, so map by the message id
+        dst = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id}
+        if len(dst) < len(messages):  # a grid that does not id the messages it sends: sources only
+            dst = {}
+        answered = {dst.get(r.metadata.reply_to_message_id, r.metadata.src_node_id) for r in replies}
+        for m in messages:
+            node = m.metadata.dst_node_id
+            if node in answered:
+                continue
+            for p in by_node.get(node) or [None]:
+                self.record_failure(record, server_round, node, stage,
+                                    f"no reply within federation.round_timeout = {self.timeout:g} s "
+                                    "(the node stopped or lost its connection)", partition=p)
         valid = []
         for r in replies:
             if r.has_error():
-                node = r.metadata.src_node_id
+                node = dst.get(r.metadata.reply_to_message_id, r.metadata.src_node_id)
                 for p in by_node.get(node) or [None]:
                     self.record_failure(record, server_round, node, stage, r.error.reason if r.error else "unknown",
                                         partition=p)

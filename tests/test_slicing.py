@@ -12,10 +12,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from clients.slicing import (
-    biased_root,
     _RISK_CACHE,
     LocalRandomPerturbation,
     SlicingPlan,
+    biased_root,
     build_plan,
     layer_risk,
     num_perturbed,

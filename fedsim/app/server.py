@@ -184,7 +184,8 @@ class Server:
         parts = build_components(cfg)
         self.observers = list(parts["observers"] if observers is None else observers)
         self.engine = RoundEngine(cfg, self.names, parts["rule"], parts["channel"], parts["transforms"],
-                                  self.observers, fixed_partitions=fixed_partitions)
+                                  self.observers, timeout=float(cfg["federation"].get("round_timeout", 3600.0)),
+                                  fixed_partitions=fixed_partitions)
         self.eval_model = model_for(cfg)
         self.rows: list[dict[str, Any]] = []
         self.startup_seconds: float | None = None

@@ -1,0 +1,210 @@
+"""Beyond one process: Flower's deployment engine (SuperLink and SuperNodes as separate processes on
+loopback, fedsim's ServerApp and ClientApp unchanged), a SuperNode killed mid-run, lost replies, and
+``simulation.ray_address`` against a Ray head started by the test (docs/deployment.md).
+
+Every process a test starts is found again by a marker in its command line (the test's temporary
+folder) and stopped in a ``finally``; nothing else on the machine is touched.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedsim.app.runner import run_experiment
+from fedsim.reports import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmd:
+            pids.append(int(proc.name))
+    return pids
+
+
+def _stop(marker: str, sig: int = signal.SIGTERM, wait: float = 20.0) -> None:
+    for pid in _pids(marker):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + wait
+    while _pids(marker) and time.time() < deadline:
+        time.sleep(0.2)
+    for pid in _pids(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.mark.ray
+def test_deployment_engine_run_survives_a_killed_supernode(tmp_path):
+    """SuperLink + 3 SuperNodes on loopback, `flwr run` submits fedsim: round 1 has all 3 replies; then one
+    SuperNode is killed, and the run still completes its 3 rounds with that node's failures recorded."""
+    for tool in ("flwr", "flower-superlink", "flower-supernode"):
+        if not (BIN / tool).exists():
+            pytest.fail(f"{tool} is not installed next to this Python")
+    home, out, logs = tmp_path / "flwr-home", tmp_path / "run", tmp_path / "logs"
+    home.mkdir()
+    logs.mkdir()
+    port = _free_port()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\n'
+                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+    env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
+               OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    marker = str(tmp_path)  # every process of this test carries it (log files, FLWR_HOME)
+    procs = []
+    try:
+        procs.append(subprocess.Popen(
+            [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
+             "--disable-runtime-dependency-installation", "--database", str(tmp_path / "state.db")],
+            env=env, stdout=open(logs / "superlink.log", "w"), stderr=subprocess.STDOUT))
+        _wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60, "the SuperLink's port")
+        nodes = []
+        for i in range(3):
+            nodes.append(subprocess.Popen(
+                [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
+                 "--host", "127.0.0.1", "--port", str(_free_port()),
+                 "--node-config", f"partition-id={i} num-partitions=3 marker='{marker}'"],
+                env=env, stdout=open(logs / f"supernode{i}.log", "w"), stderr=subprocess.STDOUT))
+        procs += nodes
+        overrides = ("federation.rounds=3;federation.num_clients=3;output.observers=[];"
+                     "federation.round_timeout=60;train.local_epochs=1")
+        run = subprocess.Popen([str(BIN / "flwr"), "run", ".", "deploy", "--run-config",
+                                f'overrides="{overrides}" out="{out}"', "--stream"],
+                               cwd=ROOT, env=env, stdout=open(logs / "run.log", "w"), stderr=subprocess.STDOUT)
+        procs.append(run)
+
+        def round_done(r: int) -> bool:
+            p = out / "metrics.jsonl"
+            return p.exists() and any(row["round"] == r for row in read_jsonl(p, skip_bad=True))
+
+        _wait_for(lambda: round_done(1), 180, "round 1 (log: " + (logs / "run.log").read_text()[-1500:] + ")")
+        nodes[2].send_signal(signal.SIGKILL)  # the node serving partition 2 dies mid-run
+        _wait_for(lambda: (out / "summary.json").exists(), 240, "the end of the run")
+        assert run.wait(timeout=60) == 0, (logs / "run.log").read_text()[-3000:]
+        rows = read_jsonl(out / "metrics.jsonl")
+        assert [r["round"] for r in rows] == [0, 1, 2, 3]
+        assert [r["replies"] for r in rows[1:]] == [3, 2, 2]  # the dead node's share is missing, not fatal
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["status"] == "completed" and summary["clients"] == 3
+        assert summary["client_failures"] == 2  # rounds 2 and 3
+        fails = summary["failures"]
+        assert [(f["round"], f["client"]) for f in fails] == [(2, 2), (3, 2)]
+        assert "unavailable" in fails[0]["reason"].lower()
+        assert 0.1 < summary["final_accuracy"] <= 1.0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        _stop(marker)  # the SuperExec / app processes the SuperLink and SuperNodes started
+    assert not _pids(marker)
+
+
+def test_missing_replies_are_recorded_and_the_round_goes_on(small_cfg, tmp_path):
+    """A grid that loses one client's reply (a node that vanished without an error reply): the round
+    aggregates the others and records the lost client as failed, naming the round timeout."""
+    from fedsim.app.client import client_app
+    from fedsim.app.server import run_server
+    from fedsim.inprocess import InProcessGrid
+
+    class LossyGrid(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = list(super().send_and_receive(messages, timeout=timeout))
+            self.timeouts.append(timeout)
+            lose = len(self.timeouts) > 1  # after discovery (the first exchange)
+            return [r for r in replies if not (lose and r.metadata.src_node_id == self.lost_node)]
+
+    cfg = small_cfg("federation.num_clients=3", "federation.rounds=2", "federation.round_timeout=7.5")
+    grid = LossyGrid(client_app, 3)
+    grid.timeouts = []
+    grid.lost_node = sorted(grid.get_node_ids())[1]
+    (tmp_path / "run").mkdir()
+    summary = run_server(grid, cfg, tmp_path / "run", progress=False)
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["replies"] for r in rows[1:]] == [2, 2]
+    assert summary["status"] == "completed"
+    fails = summary["failures"]
+    assert len(fails) == 2 and all("round_timeout = 7.5 s" in f["reason"] for f in fails)
+    assert len({f["client"] for f in fails}) == 1 and fails[0]["client"] is not None
+    assert set(grid.timeouts) == {7.5}  # the configured timeout reaches the grid
+
+
+@pytest.mark.ray
+def test_ray_address_joins_a_head_started_by_the_test(tmp_path):
+    """`simulation.ray_address`: fedsim joins an existing Ray cluster (a head on loopback started here)
+    instead of starting its own, and the run gives the same numbers as the in-process backend."""
+    from conftest import make_small_cfg
+
+    ray = BIN / "ray"
+    if not ray.exists():
+        pytest.fail("ray is not installed next to this Python")
+    port = _free_port()
+    ray_tmp = Path("/tmp") / f"fs-ray-{os.getpid()}-{port}"  # Ray's socket paths must stay short
+    env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    try:
+        started = subprocess.run([str(ray), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                                  "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={ray_tmp}",
+                                  "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        sets = ("federation.num_clients=3", "federation.rounds=2", "output.observers=[]")
+        cfg = make_small_cfg(*sets, "simulation.backend='ray'", f"simulation.ray_address='127.0.0.1:{port}'",
+                             output__dir=str(tmp_path))
+        run_dir = run_experiment(cfg, out=tmp_path / "ray", progress=False)
+        ref = make_small_cfg(*sets, "simulation.backend='inprocess'", output__dir=str(tmp_path))
+        ref_dir = run_experiment(ref, out=tmp_path / "inprocess", progress=False)
+        got, want = (json.loads((d / "summary.json").read_text()) for d in (run_dir, ref_dir))
+        assert got["status"] == "completed" and got["client_failures"] == 0
+        assert got["final_accuracy"] == want["final_accuracy"] and got["final_loss"] == pytest.approx(want["final_loss"])
+        # it ran on that cluster: the head's session folder holds the run's worker logs
+        assert any((ray_tmp / "session_latest" / "logs").glob("worker-*"))
+    finally:
+        _stop(str(ray_tmp), signal.SIGTERM, 30)  # not `ray stop`: that would stop every Ray on the machine
+    assert not _pids(str(ray_tmp))
+
+
+def test_ray_address_needs_the_ray_backend():
+    from conftest import make_small_cfg
+
+    from fedsim.config import ConfigError
+
+    with pytest.raises(ConfigError, match="simulation.ray_address .* simulation.backend = 'inprocess'"):
+        make_small_cfg("simulation.ray_address='127.0.0.1:6379'")
