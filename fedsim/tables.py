@@ -169,7 +169,9 @@ def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> s
     if spec.get("rows") is not None:
         rows = [r for r in rows if r.get("row") in spec["rows"]]
     if spec.get("expand"):  # columns are the names, each cell key's {name} replaced by the column's name
-        by_row = {r.get("row"): r for r in rows}
+        by_row: dict[Any, Mapping[str, Any]] = {}
+        for r in rows:  # one run per row: the first variant with that row label
+            by_row.setdefault(r.get("row"), r)
         names = spec["expand"]
         if spec["layout"] == "cells-as-rows":
             header = [spec.get("row_header", ""), ""] + names
