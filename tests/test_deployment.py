@@ -59,6 +59,9 @@ def _stop(marker: str, sig: int = signal.SIGTERM, wait: float = 20.0) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    deadline = time.time() + 10
+    while _pids(marker) and time.time() < deadline:
+        time.sleep(0.2)
 
 
 def _wait_for(pred, timeout: float, what: str) -> None:
