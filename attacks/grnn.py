@@ -325,9 +325,13 @@ class GRNN(Attack):
     def batchable(self) -> bool:
         return not self.fedavg_aware  # the replay of local steps is not stacked
 
+    STACK_MAX_BATCH = 4  # measured: stacking gains 1.3x at batch 1, loses at batch 8 (0.77x; docs/benchmarks.md)
+
     def run_group(self, inputs: Sequence[AttackInput]) -> list[AttackResult]:
         from .batched import StackedTarget
 
+        if inputs[0].batch_size > self.STACK_MAX_BATCH:  # the generators' own work dominates: one by one
+            return [self.run(inp) for inp in inputs]
         t0 = time.perf_counter()
         st = StackedTarget.build(inputs, self.muted, self.layer_weights)
         n = inputs[0].batch_size
