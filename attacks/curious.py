@@ -362,6 +362,10 @@ class CuriousServer(Observer):
                         # seed 001's "attack iterations": iterations until the gradient distance fell below the
                         # attack's threshold, over the attacks that got there (share: ``converged``)
                         "converged_iterations": float(np.mean(conv)) if conv else None,
+                        # seed 001 Table 5: the spread of those iterations over the attacked updates
+                        "converged_iterations_min": float(min(conv)) if conv else None,
+                        "converged_iterations_max": float(max(conv)) if conv else None,
+                        "converged_iterations_var": float(np.var(conv)) if conv else None,
                         "converged": len(conv) / len(rs)})
         return out
 
