@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 import traceback
 import uuid
-from typing import Iterable
+from typing import Any, Iterable
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -91,3 +91,33 @@ class InProcessGrid(Grid):
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         return self.pull_messages(self.push_messages(messages))
+
+
+class DelegatingGrid(Grid):
+    """A Grid that forwards every call to ``self.inner``: wrappers (the run's stop-aware grid, a
+    channel's protocol grid) subclass it and override only what they change."""
+
+    inner: Grid
+
+    def set_run(self, run: Any) -> None:
+        self.inner.set_run(run)
+
+    @property
+    def run(self) -> Any:
+        return self.inner.run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return self.inner.get_node_ids()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return self.inner.pull_messages(message_ids)
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.inner.send_and_receive(messages, timeout=timeout)

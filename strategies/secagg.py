@@ -48,6 +48,7 @@ from flwr.server.workflow.constant import Key as WorkflowKey
 from flwr.serverapp import Grid
 
 from fedsim.components import CHANNELS
+from fedsim.inprocess import DelegatingGrid
 from fedsim.protocol import (
     ARRAYS,
     CHANNEL,
@@ -168,7 +169,7 @@ class _Workflow(SecAggPlusWorkflow):
         return super()._check_threshold(state)
 
 
-class ProtocolGrid(Grid):
+class ProtocolGrid(DelegatingGrid):
     """The round's grid as the SecAgg+ workflow sees it (see the module docstring)."""
 
     def __init__(self, channel: "SecAggPlusChannel", ctx: RoundContext, node_partition: Mapping[int, int],
@@ -183,25 +184,8 @@ class ProtocolGrid(Grid):
         self.messages = 0
 
     # ---- the Grid API: only send_and_receive carries the protocol; the rest is delegated
-    def set_run(self, run: Any) -> None:
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Any:
-        return self.inner.run
-
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
-
     def get_node_ids(self) -> list[int]:
         return list(self.node_partition)
-
-    def push_messages(self, messages: Any) -> Any:
-        return self.inner.push_messages(messages)
-
-    def pull_messages(self, message_ids: Any) -> Any:
-        return self.inner.pull_messages(message_ids)
 
     def _fail(self, partition: int, node: int, stage: str, reason: str) -> None:
         if partition in self.failed:

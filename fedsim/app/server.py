@@ -60,6 +60,7 @@ from fedsim.checkpoint import (
 from fedsim.components import ConfigError
 from fedsim.export import write_csv
 from fedsim.factories import dataset_for, model_for
+from fedsim.inprocess import DelegatingGrid
 from fedsim.interrupt import RunInterrupted, StopSignal
 from fedsim.observers import Observer
 from fedsim.protocol import (
@@ -90,7 +91,7 @@ from fedsim.training import derive_seed, evaluate, get_weights, resolve_device, 
 log = logging.getLogger("fedsim")
 
 
-class RunGrid(Grid):
+class RunGrid(DelegatingGrid):
     """The grid the server loop talks to: the engine's grid plus what the run needs around it.
 
     * Waiting for replies polls the stop signal (a stop requested by SIGINT/SIGTERM while clients train
@@ -110,17 +111,6 @@ class RunGrid(Grid):
     def __getattr__(self, name: str) -> Any:  # pull_interval, contexts, messages_sent, ...
         return getattr(self.inner, name)
 
-    def set_run(self, run: Any) -> None:
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Any:
-        return self.inner.run
-
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
-
     def get_node_ids(self) -> Iterable[int]:
         self.stop.check()
         return self.inner.get_node_ids()
@@ -137,9 +127,6 @@ class RunGrid(Grid):
         for m in messages:
             self._augment(m)
         return self.inner.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        return self.inner.pull_messages(message_ids)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
         """Flower's push-then-poll loop, with the stop signal checked between polls (grids that poll at a
