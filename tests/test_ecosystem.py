@@ -133,17 +133,32 @@ STRATEGY_CASES = [
 
 
 @pytest.mark.parametrize("name,params,clients", STRATEGY_CASES, ids=[c[0] for c in STRATEGY_CASES])
-def test_flower_strategy_runs_two_rounds_and_aggregates_like_its_definition(tmp_path, name, params, clients):
+def test_flower_strategy_runs_two_rounds_and_aggregates_like_its_definition(tmp_path, monkeypatch, name, params,
+                                                                           clients):
     """Each of Flower's Message-API strategies, wrapped as an aggregation rule, runs 2 rounds on the
     in-process grid; the model after each round equals the rule's definition recomputed from the
-    client models the server intercepted (dirichlet split: unequal example counts)."""
+    client models the server intercepted (dirichlet split: unequal example counts). A client defense
+    (Gaussian noise) and the curious server (a 2-iteration DLG on client 0 in round 2) are on: under
+    every rule the curious server is shown each client's defended update and attacks its victim."""
+    from attacks.curious import CuriousServer
+
     sets = [f'strategy.name="{name}"', *(f"strategy.{k}={v}" for k, v in params.items())]
     cfg = make_small_cfg(*sets, federation__num_clients=clients, data__partition="dirichlet", data__alpha=1.0,
-                         train__local_steps=2)
+                         train__local_steps=2, defenses=[{"name": "gaussian-noise", "sigma": 0.01}],
+                         attack={"name": "dlg", "rounds": [2], "victims": [0], "max_images": 1,
+                                 "params": {"dlg": {"iterations": 2}}})
+    seen = []
+    observe = CuriousServer.observe
+    monkeypatch.setattr(CuriousServer, "observe", lambda self, u: (seen.append(u), observe(self, u))[1])
     rec = RecordingObserver()
-    grid, summary = run_inprocess(cfg, tmp_path / "run", [rec])
+    grid, summary = run_inprocess(cfg, tmp_path / "run", [rec, CuriousServer.from_config(cfg)])
     by_round = rec.by_round()
     assert sorted(by_round) == [1, 2] and all(len(us) == clients for us in by_round.values())
+    assert [(u.round, u.client_id) for u in seen] == [(u.round, u.client_id) for u in rec.updates]
+    assert all(a is b for a, b in zip(seen, rec.updates))  # the very updates the rule aggregated
+    (leak,) = read_jsonl(tmp_path / "run" / "leakage.jsonl")
+    assert (leak["round"], leak["client"], leak["attack"], leak["iterations"]) == (2, 0, "dlg", 2)
+    assert summary["leakage"][0]["attacks_run"] == 1
     expect = Expect(name, params)
     for r in (1, 2):
         us = sorted(by_round[r], key=lambda u: u.client_id)
@@ -157,6 +172,8 @@ def test_flower_strategy_runs_two_rounds_and_aggregates_like_its_definition(tmp_
                                    err_msg=f"{name} round {r}")
     rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     assert [r["strategy.skipped"] for r in rows[1:]] == [0.0, 0.0]
+    for r in rows[1:]:  # the defense noised every client's update (empirical std over all entries ~ sigma)
+        assert r["defense.0.gaussian-noise.empirical_std"] == pytest.approx(0.01, rel=0.05)
     assert summary["final_accuracy"] is not None
     if name == "flwr-fedprox":  # Flower's configure_train adds the key; every train message carries it
         from fedsim.protocol import CONFIG, PROXIMAL_MU, TRAIN
