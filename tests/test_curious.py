@@ -131,9 +131,18 @@ def test_oneshot_attack_command_writes_the_same_files(tmp_path, capsys):
     assert rc == 0
     rows = read_jsonl(out / "leakage.jsonl")
     assert len(rows) == 1 and rows[0]["attack"] == "idlg" and rows[0]["psnr"] > 30
-    for f in ("config.toml", "summary.json", "report.md", "reconstruction_idlg.png"):
+    for f in ("config.toml", "summary.json", "report.md", "reconstruction_idlg.png", "accuracy.png"):
         assert (out / f).exists(), f
     assert "idlg: PSNR" in capsys.readouterr().out
+    # the report links accuracy.png: a real plot (rounds 0 and 1), with its line drawn in colour
+    import matplotlib.image as mpimg
+
+    assert "](accuracy.png)" in (out / "report.md").read_text()
+    assert [r["round"] for r in read_jsonl(out / "metrics.jsonl")] == [0, 1]
+    img = mpimg.imread(out / "accuracy.png")
+    assert img.ndim == 3 and min(img.shape[:2]) > 100
+    coloured = (img[..., :3].max(axis=2) - img[..., :3].min(axis=2)) > 0.3  # the accuracy and loss lines
+    assert coloured.sum() > 500  # measured 1884; the same axes without lines: 87
 
 
 def test_oneshot_trains_the_victim_through_the_client_app(tmp_path, monkeypatch):
