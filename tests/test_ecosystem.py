@@ -404,6 +404,11 @@ local_steps = 3
 backend = "inprocess"
 [output]
 observers = []
+[attack]
+name = "dlg"
+victims = [0]
+max_images = 1
+params = { dlg = { iterations = 2 } }
 
 [[variants]]
 label = "plain"
@@ -414,11 +419,16 @@ defenses = [{ name = "gaussian-noise", sigma = 0.3 }]
 """
 
 
-def test_sweep_over_two_seeds_reports_mean_and_std_and_compare_reads_it_back(tmp_path, capsys):
+def test_sweep_over_two_seeds_reports_mean_and_std_and_compare_reads_it_back(tmp_path, capsys, monkeypatch):
     p = tmp_path / "sweep.toml"
     p.write_text(SWEEP)
+    import fedsim.reports
     from fedsim.app.sweep import run_sweep
 
+    figures = {}  # comparison.png's figure, kept to read back what it draws
+    save = fedsim.reports.save_figure
+    monkeypatch.setattr(fedsim.reports, "save_figure",
+                        lambda fig, path, *a, **k: (figures.__setitem__(Path(path), fig), save(fig, path, *a, **k))[1])
     out = run_sweep(p, out=tmp_path / "sw", progress=False)
     runs = read_jsonl(out / "runs.jsonl")
     assert [(r["variant"], r["seed"]) for r in runs] == [("plain", 0), ("plain", 1), ("noisy", 0), ("noisy", 1)]
@@ -438,6 +448,29 @@ def test_sweep_over_two_seeds_reports_mean_and_std_and_compare_reads_it_back(tmp
     assert f"| plain | {plain['accuracy']:.3f} ± {plain['accuracy_std']:.3f} |" in report
     assert "accuracy_std" in (out / "sweep.csv").read_text().splitlines()[0]
     assert (out / "comparison.png").stat().st_size > 10_000
+    # comparison.png: accuracy vs round per variant (mean over the seeds' metrics.jsonl, a band of ± std) ...
+    curves, scatter = figures[out / "comparison.png"].axes
+    for row, line in zip(rows, curves.get_lines(), strict=True):
+        acc = np.array([[m["accuracy"] for m in read_jsonl(out / x / "metrics.jsonl")] for x in row["runs"]])
+        assert line.get_label() == f"{row['variant']} (n=2)"
+        np.testing.assert_allclose(line.get_xydata(), np.c_[np.arange(3), acc.mean(0)])
+    assert len(curves.collections) == 2  # the two ± std bands
+    # ... and the privacy-utility scatter: per variant, (final accuracy, DLG's SSIM) of the rows, with
+    # error bars of one standard deviation over the seeds on both axes
+    assert "SSIM" in scatter.get_ylabel() and "dlg" in scatter.get_title()
+    bars = scatter.containers
+    assert len(bars) == len(rows) == 2
+    for row, bar in zip(rows, bars):
+        assert row["dlg.ssim_std"] > 0 and row["accuracy_std"] > 0
+        np.testing.assert_allclose(bar.lines[0].get_xydata(), [[row["accuracy"], row["dlg.ssim"]]])
+        (xerr,), (yerr,) = (seg.get_segments() for seg in bar.lines[2])
+        np.testing.assert_allclose(xerr[:, 0], [row["accuracy"] - row["accuracy_std"],
+                                                row["accuracy"] + row["accuracy_std"]])
+        np.testing.assert_allclose(yerr[:, 1], [row["dlg.ssim"] - row["dlg.ssim_std"],
+                                                row["dlg.ssim"] + row["dlg.ssim_std"]])
+    ssims = [[json.loads((out / x / "summary.json").read_text())["leakage"][0]["ssim"] for x in row["runs"]]
+             for row in rows]
+    assert [r["dlg.ssim"] for r in rows] == pytest.approx([statistics.mean(s) for s in ssims])
     # fedsim compare on the sweep folder and on one run folder
     cmp_dir = tmp_path / "cmp"
     assert cli_main(["compare", str(out), str(out / rows[1]["runs"][0]), "--out", str(cmp_dir)]) == 0
