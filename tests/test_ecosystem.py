@@ -538,6 +538,52 @@ def test_quiet_and_default_progress(tmp_path, capsys):
     assert written["seed"] == 3 and written["device"] == "cpu" and written["simulation"]["threads"] == 1
 
 
+@pytest.mark.parametrize("verbose", [False, True], ids=["default", "verbose"])
+def test_verbose_lets_flower_and_ray_logs_through(tmp_path, monkeypatch, caplog, verbose):
+    """``fedsim run`` hides Flower's and Ray's own logs (Flower's logger at ERROR; ``ray.init`` told to log
+    at ERROR, which sets Ray's logger, and to send no worker logs to the driver); ``--verbose`` lets them
+    through. Ray is never started: Flower's ``run_simulation`` is replaced by a probe that records what
+    the engine would start with, logs as Flower would, and stops."""
+    import logging
+
+    import flwr.simulation
+
+    from fedsim import progress
+
+    class Probe(Exception):
+        pass
+
+    seen = {}
+
+    def probe(*, backend_config, **kwargs):
+        seen["flwr"] = logging.getLogger("flwr").getEffectiveLevel()
+        seen["init"] = backend_config["init_args"]
+        logging.getLogger("flwr").info("flwr says: starting the simulation engine")
+        raise Probe
+
+    monkeypatch.setattr(flwr.simulation, "run_simulation", probe)
+    monkeypatch.setattr(progress, "_level", progress.level())  # main() sets the process-wide level
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[federation]\nrounds = 1\nnum_clients = 2\n[train]\nlocal_steps = 1\n')
+    argv = ["run", str(cfg), "--out", str(tmp_path / "run"), "--backend", "ray"]
+    try:
+        with pytest.raises(Probe):
+            cli_main(argv + (["--verbose"] if verbose else []))
+    finally:
+        for name in ("flwr", "ray"):  # back to the test session's quiet logs
+            logging.getLogger(name).setLevel(logging.ERROR)
+    flwr_lines = [r for r in caplog.records if r.name == "flwr" and "flwr says" in r.getMessage()]
+    if verbose:
+        assert seen["flwr"] == logging.INFO
+        assert seen["init"]["logging_level"] == "INFO" and seen["init"]["log_to_driver"] is True
+        assert len(flwr_lines) == 1
+    else:
+        assert seen["flwr"] == logging.ERROR
+        assert seen["init"]["logging_level"] == "ERROR" and seen["init"]["log_to_driver"] is False
+        assert flwr_lines == []
+    assert not (tmp_path / "run").exists()  # the probe stopped it before round 1: nothing half-way kept
+
+
 def test_help_and_version_do_not_import_torch():
     code = ("import sys\nfrom fedsim.app.cli import build_parser\np = build_parser()\n"
             "try:\n    p.parse_args(['--version'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)\n")
