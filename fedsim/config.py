@@ -13,11 +13,10 @@ from __future__ import annotations
 import copy
 import math
 import os
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
-
-import tomllib
 
 from fedsim.components import (
     CHANNELS,

@@ -198,8 +198,8 @@ def test_every_wire_key_is_spelled_only_in_the_protocol_module():
 def test_flower_app_components_exist():
     """pyproject's [tool.flwr.app.components] point at a real ServerApp and ClientApp."""
     import importlib
-
     import tomllib
+
     from flwr.clientapp import ClientApp
     from flwr.serverapp import ServerApp
 
@@ -207,3 +207,20 @@ def test_flower_app_components_exist():
     for key, cls in (("serverapp", ServerApp), ("clientapp", ClientApp)):
         mod, attr = comps[key].split(":")
         assert isinstance(getattr(importlib.import_module(mod), attr), cls)
+
+
+def test_python_floor_matches_the_dependencies():
+    """requires-python is no lower than what the installed Flower requires (Flower >= 1.31: 3.11) and
+    than the stdlib fedsim uses (tomllib: 3.11), and ruff lints for that same floor."""
+    import tomllib
+    from importlib.metadata import metadata
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+    def floor(spec: str) -> tuple[int, ...]:
+        (low,) = [s.strip()[2:] for s in spec.split(",") if s.strip().startswith(">=")]
+        return tuple(int(x) for x in low.split("."))
+
+    ours = floor(project["project"]["requires-python"])
+    assert ours >= floor(metadata("flwr")["Requires-Python"]) and ours >= (3, 11)
+    assert project["tool"]["ruff"]["target-version"] == "py" + "".join(map(str, ours[:2]))

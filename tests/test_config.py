@@ -2,10 +2,10 @@
 ``--set`` parsing and the round trip of the resolved ``config.toml``."""
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from fedsim.app import load_config
 from fedsim.app.cli import main
