@@ -198,13 +198,16 @@ def test_sample_partitions_deterministic_and_varies():
 
 
 def test_run_samples_by_seed_not_node_ids(small_cfg, recorder):
+    """Sampling depends on the seed, not on Flower's (random) node ids, nor on a spare node: 7 nodes
+    for 6 clients, the 7th serving no partition (as with ``flwr run`` given more SuperNodes)."""
     cfg = small_cfg("federation.num_clients=6", "federation.clients_per_round=2", "federation.rounds=4",
                     "train.local_steps=1")
+    summaries = []
 
     def sampled(seed):
         c = dict(cfg, seed=seed)
         rec = type(recorder)()
-        run_server(InProcessGrid(client_app, 6), c, None, [rec], progress=False)  # fresh random node ids
+        summaries.append(run_server(InProcessGrid(client_app, 7), c, None, [rec], progress=False))  # fresh node ids
         return [sorted(u.client_id for u in rec.by_round()[r]) for r in range(1, 5)]
 
     a, b, c = sampled(0), sampled(0), sampled(1)
@@ -212,6 +215,8 @@ def test_run_samples_by_seed_not_node_ids(small_cfg, recorder):
     assert a == [sample_partitions(0, r, range(6), 2) for r in range(1, 5)]
     assert len({tuple(x) for x in a}) > 1
     assert a != c
+    # summary.json's counts: partitions served, nodes that answered discovery, federation.num_clients
+    assert {(s["clients"], s["nodes"], s["clients_configured"]) for s in summaries} == {(6, 7, 6)}
 
 
 # ----------------------------------------------------------------------------------- determinism

@@ -96,7 +96,7 @@ def test_virtual_clients_give_identical_results(small_cfg, tmp_path, recorder):
     single_rec = RecordingObserver()
     one, s1 = _run(small_cfg, tmp_path, "one", recorder=single_rec)
     virt, s3 = _run(small_cfg, tmp_path, "virtual", "simulation.clients_per_node=3", recorder=recorder)
-    assert (s1["nodes"], s3["nodes"]) == (7, 3) and s1["clients"] == s3["clients"] == 7
+    assert (s1["nodes"], s3["nodes"]) == (7, 3) and s1["clients"] == s3["clients"] == s3["clients_configured"] == 7
     strip = lambda rows: [{k: v for k, v in r.items() if "seconds" not in k} for r in rows]  # noqa: E731
     assert strip(read_jsonl(one / "metrics.jsonl")) == strip(read_jsonl(virt / "metrics.jsonl"))
     a, b = torch.load(one / "model.pt"), torch.load(virt / "model.pt")
