@@ -119,17 +119,24 @@ def pytest(tests: list[str], plugin_dir: Path | None = None, plugin: str | None 
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", COLUMNS="240",
                PYTHONPATH=os.pathsep.join([str(ROOT), *([str(plugin_dir)] if plugin_dir else []),
                                            os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=line", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
            *(["-p", plugin] if plugin else []), *tests]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def failure_line(out: str) -> str:
-    lines = [ln for ln in out.splitlines() if ln.startswith(("FAILED ", "ERROR "))]
-    if lines:
-        return lines[0]
-    tail = [ln for ln in out.splitlines() if ln.strip()]
-    return tail[-1] if tail else "(no output)"
+    """pytest's first FAILED/ERROR summary line; with the first ``E`` line of the traceback when the
+    summary carries no message (a bare ``assert`` on a comparison pytest does not rewrite)."""
+    lines = out.splitlines()
+    failed = [ln for ln in lines if ln.startswith(("FAILED ", "ERROR "))]
+    if not failed:
+        tail = [ln for ln in lines if ln.strip()]
+        return tail[-1] if tail else "(no output)"
+    if not failed[0].rstrip().endswith(("Error:", "Error")):
+        return failed[0]
+    detail = [ln[1:].strip() for ln in lines if ln.startswith("E ")]
+    detail = [d for d in detail if d and not d.endswith("Error:")][:2]
+    return failed[0].rstrip() + (f" [{' | '.join(detail)}]" if detail else "")
 
 
 def main() -> int:
@@ -173,7 +180,7 @@ def main() -> int:
                 if m.plugin and not missing:
                     (Path(tmp) / "fedsim_mutation_plugin.py").write_text(m.plugin)
                     plugin = "fedsim_mutation_plugin"
-                    print("  mutated  (in the test process only) "
+                    print("  mutated  in the test process only (a pytest plugin; no file edited): "
                           + m.plugin.strip().splitlines()[-1].split("#")[-1].strip(), flush=True)
                 if missing:
                     ok = False
