@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fedsim.components import ATTACKS
+from fedsim.protocol import BATCH_SIZE
 
 
 @dataclass
@@ -42,7 +43,7 @@ class AttackInput:
     @property
     def batch_size(self) -> int:
         """Images to reconstruct: one local mini-batch."""
-        return int(min(self.recipe["batch_size"], self.num_examples))
+        return int(min(self.recipe[BATCH_SIZE], self.num_examples))
 
 
 @dataclass

@@ -50,7 +50,7 @@ from fedsim import progress
 from fedsim.components import ATTACKS, KNOWLEDGE, OBSERVERS
 from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.observers import ClientUpdate, Observer
-from fedsim.protocol import NOISE_VARIANCE
+from fedsim.protocol import BATCH_SIZE, NOISE_VARIANCE
 from fedsim.training import Recipe, derive_seed, iter_batches, resolve_device
 
 
@@ -248,7 +248,7 @@ class CuriousServer(Observer):
         of the k clients' images, so the batch is k times the configured one (at most the examples)."""
         recipe = dict(update.recipe)
         k = max(1, len(update.contributors))
-        recipe["batch_size"] = int(min(k * int(recipe["batch_size"]), max(update.num_examples, 1)))
+        recipe[BATCH_SIZE] = int(min(k * int(recipe[BATCH_SIZE]), max(update.num_examples, 1)))
         return recipe
 
     def attack_input(self, update: ClientUpdate) -> AttackInput:

@@ -61,6 +61,7 @@ from fedsim import lossless as ll
 from fedsim.components import OBSERVERS
 from fedsim.factories import client_data, dataset_for, model_for, partitions_for
 from fedsim.observers import ClientUpdate, Observer
+from fedsim.protocol import LR
 from fedsim.rounds import sample_partitions
 from fedsim.training import Recipe, batch_schedule, derive_seed
 
@@ -81,7 +82,7 @@ class _View:
         self.round = u.round
         self.sent = [np.array(a, dtype=np.float64) for a in u.global_weights]
         self.own = [np.array(a, dtype=np.float64) for a in u.weights]
-        self.lr = float(u.recipe["lr"])
+        self.lr = float(u.recipe[LR])
         self.n = int(u.num_examples)
 
 

@@ -31,7 +31,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from fedsim.protocol import MOMENTUM, PROXIMAL_MU, WEIGHT_DECAY
+from fedsim.protocol import BATCH_SIZE, LOCAL_EPOCHS, LOCAL_STEPS, LR, MOMENTUM, PROXIMAL_MU, WEIGHT_DECAY
 
 
 def _recipe_mapping(recipe: Any) -> Mapping[str, Any]:
@@ -45,15 +45,15 @@ def local_step_count(recipe: Any, num_examples: int | None = None) -> int:
     epoch keeps its last partial batch, as :func:`fedsim.training.batch_schedule` does).
     """
     r = _recipe_mapping(recipe)
-    steps = r.get("local_steps")
+    steps = r.get(LOCAL_STEPS)
     if steps:
         return int(steps)
-    epochs = r.get("local_epochs")
+    epochs = r.get(LOCAL_EPOCHS)
     if not epochs:
         raise ValueError("recipe needs local_steps or local_epochs")
     if not num_examples:
         raise ValueError("a local_epochs recipe needs num_examples to count its local steps")
-    bs = min(int(r["batch_size"]), int(num_examples))
+    bs = min(int(r[BATCH_SIZE]), int(num_examples))
     return int(epochs) * math.ceil(int(num_examples) / bs)
 
 
@@ -83,7 +83,7 @@ def update_to_gradient(update: Mapping[str, torch.Tensor], recipe: Any, *,
     subtracted when ``global_state`` (the weights the client started from) is given.
     """
     r = _recipe_mapping(recipe)
-    lr = float(r["lr"])
+    lr = float(r[LR])
     if lr <= 0:
         raise ValueError(f"recipe lr must be positive, got {lr}")
     steps = effective_steps(r, num_examples)
@@ -124,17 +124,17 @@ def assumed_schedule(num_examples: int, recipe: Any) -> list[list[int]]:
     """
     r = _recipe_mapping(recipe)
     n = int(num_examples)
-    bs = min(int(r["batch_size"]), n)
+    bs = min(int(r[BATCH_SIZE]), n)
     batches: list[list[int]] = []
-    if r.get("local_steps"):
+    if r.get(LOCAL_STEPS):
         k = 0
         per_pass = n // bs
-        while len(batches) < int(r["local_steps"]):
+        while len(batches) < int(r[LOCAL_STEPS]):
             j = k % per_pass
             batches.append(list(range(j * bs, (j + 1) * bs)))
             k += 1
     else:
-        for _ in range(int(r["local_epochs"])):
+        for _ in range(int(r[LOCAL_EPOCHS])):
             batches.extend(list(range(s, min(s + bs, n))) for s in range(0, n, bs))
     return batches
 
@@ -252,7 +252,7 @@ def fedavg_distance(model: nn.Module, x: torch.Tensor, y: torch.Tensor, observed
     single-step case. ``schedule`` defaults to :func:`assumed_schedule` over ``len(x)`` candidates.
     """
     r = _recipe_mapping(recipe)
-    lr = float(r["lr"])
+    lr = float(r[LR])
     schedule = schedule if schedule is not None else assumed_schedule(len(x), r)
     scale = -1.0 / (lr * len(schedule))
     sim = simulate_update(model, x, y, lr, schedule, names=names, momentum=float(r.get(MOMENTUM) or 0.0),

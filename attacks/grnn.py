@@ -50,6 +50,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedsim.protocol import LR
+
 from ._common import (
     RestartLog,
     Target,
@@ -281,7 +283,7 @@ class GRNN(Attack):
             grads, _ = target.dummy_gradients(x, y)
             return grnn_loss(grads, target.matched_grads, target.weights, self.wd)
         schedule = assumed_schedule(len(x), target.recipe)
-        lr = float(target.recipe["lr"])
+        lr = float(target.recipe[LR])
         scale = -1.0 / (lr * len(schedule))
         sim = simulate_update(target.model, x, y, lr, schedule, names=target.matched)
         return grnn_loss([sim[n] * scale for n in target.matched],

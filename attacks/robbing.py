@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from fedsim.models.imprint import ImprintBlock
+from fedsim.protocol import BATCH_SIZE
 
 from ._common import check_choice, check_float, choose_labels, finish, prepare_target
 from .base import Attack, AttackInput, AttackResult, register
@@ -79,7 +80,7 @@ class RobbingTheFed(Attack):
         scale = float(db.abs().max())
         occupied = (db.abs() > self.tolerance * scale).nonzero().flatten() if scale > 0 else db.new_zeros(0).long()
         order = occupied[torch.argsort(db[occupied].abs(), descending=True)]
-        n = inp.batch_size if steps == 1 else min(int(inp.num_examples), steps * int(inp.recipe["batch_size"]))
+        n = inp.batch_size if steps == 1 else min(int(inp.num_examples), steps * int(inp.recipe[BATCH_SIZE]))
         shape = tuple(inp.input_shape)
         if len(order):
             images = (dw[order] / db[order, None]).float().reshape(len(order), *shape)

@@ -22,6 +22,7 @@ from torch.func import functional_call, grad, vmap
 from clients.noise import UpdateDefense
 from fedsim.defense import Defense, DefenseContext, LossFn, register
 from fedsim.factories import model_for
+from fedsim.protocol import BATCH_SIZE
 
 
 def per_sample_gradients(module: nn.Module, params: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
@@ -168,7 +169,7 @@ class DPSGD(Defense):
         n = int(ctx.num_examples or 0)
         if n <= 0:
             return 1.0
-        bs = int(ctx.recipe.get("batch_size", batch) or batch)
+        bs = int(ctx.recipe.get(BATCH_SIZE, batch) or batch)
         return min(bs, n) / n
 
     # -- per-sample gradients

@@ -60,6 +60,7 @@ from torch.nn import functional as F
 
 from clients.clipping import clip_per_sample, per_sample_gradients
 from fedsim.defense import Defense, DefenseContext, LossFn, register
+from fedsim.protocol import LR
 
 RISK_METHODS = ("exact", "randomized", "auto")
 AUTO_EXACT_BUDGET = 4096  # max (samples x input size) Jacobian-vector products for method="auto"
@@ -536,7 +537,7 @@ class LocalRandomPerturbation(Defense):
             raise ValueError(f"lrp: trainable parameters {missing[:3]} are not in ctx.param_names")
         self._train_idx = [pos[n] for n in tp]
         self._sizes = [p.numel() for p in tp.values()]
-        self._lr = float(ctx.recipe["lr"]) if "lr" in ctx.recipe else None
+        self._lr = float(ctx.recipe[LR]) if LR in ctx.recipe else None
         self._fraction = None
         method = "size" if self.risk == "size" else "sensitivity"
         plan = SlicingPlan.from_state(ctx.state, method)

@@ -106,7 +106,8 @@ STATE_MIRROR_MARK = "fedsim.mirror-mark"  # the client's state was mirrored/rest
 TRAIN = MessageType.TRAIN  # local training; reply: the client's model (through the channel)
 EVALUATE = MessageType.EVALUATE  # evaluate the global model on the common test split (encrypted channels)
 QUERY = MessageType.QUERY  # discovery: reply with the node's partition id
-CHANNEL_SETUP = f"{MessageType.QUERY}.channel"  # a channel's setup exchange (key agreement, key delivery)
+CHANNEL_SETUP_ACTION = "channel"
+CHANNEL_SETUP = f"{MessageType.QUERY}.{CHANNEL_SETUP_ACTION}"  # a channel's setup exchange (key agreement, key delivery)
 CROSS_VALIDATE_ACTION = "crossval"
 # evaluate several models on the client's validation split (FedBoosting, strategies/fedboosting.py)
 CROSS_VALIDATE = f"{MessageType.EVALUATE}.{CROSS_VALIDATE_ACTION}"

@@ -19,7 +19,18 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedsim.defense import DefenseContext, DefensePipeline
-from fedsim.protocol import MOMENTUM, NOISE_VARIANCE, PROXIMAL_MU, TRAIN_ACCURACY, TRAIN_LOSS, WEIGHT_DECAY
+from fedsim.protocol import (
+    BATCH_SIZE,
+    LOCAL_EPOCHS,
+    LOCAL_STEPS,
+    LR,
+    MOMENTUM,
+    NOISE_VARIANCE,
+    PROXIMAL_MU,
+    TRAIN_ACCURACY,
+    TRAIN_LOSS,
+    WEIGHT_DECAY,
+)
 
 
 def seed_everything(seed: int) -> None:
@@ -91,18 +102,18 @@ class Recipe:
     @classmethod
     def from_mapping(cls, m: Mapping[str, Any]) -> "Recipe":
         """From ``[train]`` or a train message's recipe keys (``fedsim.protocol.recipe_of``)."""
-        steps, epochs = m.get("local_steps"), m.get("local_epochs")
-        return cls(float(m["lr"]), int(m["batch_size"]), int(steps) if steps not in (None, 0) else None,
+        steps, epochs = m.get(LOCAL_STEPS), m.get(LOCAL_EPOCHS)
+        return cls(float(m[LR]), int(m[BATCH_SIZE]), int(steps) if steps not in (None, 0) else None,
                    int(epochs) if epochs not in (None, 0) else None, float(m.get(MOMENTUM) or 0.0),
                    float(m.get(WEIGHT_DECAY) or 0.0), float(m.get(PROXIMAL_MU) or 0.0))
 
     def to_mapping(self) -> dict[str, Any]:
         """The recipe keys (momentum, weight decay and proximal mu only when set)."""
-        d: dict[str, Any] = {"lr": self.lr, "batch_size": self.batch_size}
+        d: dict[str, Any] = {LR: self.lr, BATCH_SIZE: self.batch_size}
         if self.local_steps is not None:
-            d["local_steps"] = self.local_steps
+            d[LOCAL_STEPS] = self.local_steps
         else:
-            d["local_epochs"] = self.local_epochs
+            d[LOCAL_EPOCHS] = self.local_epochs
         for key, v in ((MOMENTUM, self.momentum), (WEIGHT_DECAY, self.weight_decay), (PROXIMAL_MU, self.proximal_mu)):
             if v:
                 d[key] = v

@@ -3,7 +3,9 @@
 * the core (``fedsim`` without ``fedsim.app``) imports no plugin and not the composition root;
 * plugins (``strategies``, ``clients``, ``attacks``) import only the core; ``strategies`` and
   ``attacks`` never import each other, ``clients`` neither;
-* the composition root (``fedsim.app``, ``fedsim.__main__``) may import anything.
+* the composition root (``fedsim.app``, ``fedsim.__main__``) may import anything but ``experiments``;
+* ``experiments`` (experiment scripts on top of the root) imports only the root and the core (plugins
+  come in through ``fedsim.app``), and nothing in the tree imports it.
 
 Every import counts: module-level, function-level, relative, and ``importlib.import_module`` /
 ``__import__`` with a constant name. A second test checks that every key that crosses the wire is
@@ -17,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedsim", "strategies", "clients", "attacks")
+PACKAGES = ("fedsim", "strategies", "clients", "attacks", "experiments")
 PLUGINS = ("strategies", "clients", "attacks")
 
 
@@ -29,9 +31,9 @@ def module_name(path: Path) -> str:
 
 
 def layer(module: str) -> str | None:
-    """``core``, ``root``, a plugin package name, or None (third-party / stdlib)."""
+    """``core``, ``root``, ``experiments``, a plugin package name, or None (third-party / stdlib)."""
     top = module.split(".")[0]
-    if top in PLUGINS:
+    if top in PLUGINS or top == "experiments":
         return top
     if top == "fedsim":
         return "root" if module == "fedsim.__main__" or module.startswith("fedsim.app") else "core"
@@ -64,8 +66,12 @@ def imports_of(source: str, module: str, is_package: bool) -> list[tuple[int, st
 
 
 def allowed(src_layer: str, dst_layer: str | None) -> bool:
-    if dst_layer is None or src_layer == dst_layer or src_layer == "root":
+    if dst_layer is None or src_layer == dst_layer:
         return True
+    if dst_layer == "experiments":
+        return False  # the top: nothing in the tree imports it
+    if src_layer in ("root", "experiments"):
+        return src_layer == "root" or dst_layer in ("root", "core")  # experiments: plugins via fedsim.app
     if src_layer == "core":
         return False  # the core imports no plugin and not the root
     return dst_layer == "core"  # a plugin imports only the core
@@ -97,6 +103,13 @@ def test_every_import_follows_the_layers():
     assert violations(files) == []
 
 
+def test_every_package_of_the_tree_has_a_layer():
+    """A new top-level package must be placed in the layer map (and in docs/architecture.md)."""
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert packages == set(PACKAGES)
+    assert all(layer(module_name(ROOT / rel)) is not None for rel in package_files())
+
+
 @pytest.mark.parametrize("path,source", [
     ("fedsim/rounds.py", "def f():\n    from strategies.fedavg import FedAvg\n"),  # core -> plugin, in a function
     ("fedsim/data/registry.py", "import attacks\n"),
@@ -106,6 +119,10 @@ def test_every_import_follows_the_layers():
     ("attacks/dlg.py", "from strategies import compensation\n"),
     ("clients/noise.py", "from attacks.base import Attack\n"),
     ("attacks/curious.py", "from fedsim.app.server import Server\n"),  # plugin -> root
+    ("fedsim/app/experiment.py", "from experiments import fedboosting_table\n"),  # root -> experiments
+    ("fedsim/tables.py", "def f():\n    import experiments.fedboosting_boundaries\n"),  # core -> experiments
+    ("strategies/fedboosting.py", "from experiments.fedboosting_table import main\n"),  # plugin -> experiments
+    ("experiments/fedboosting_table.py", "def f():\n    from strategies.fedboosting import FedBoosting\n"),
 ])
 def test_the_checker_catches_each_kind_of_violation(path, source):
     assert violations({path: source}), f"not caught: {path}: {source!r}"
@@ -115,6 +132,8 @@ def test_the_checker_catches_each_kind_of_violation(path, source):
     ("fedsim/app/runner.py", "import strategies\nfrom attacks import curious\n"),
     ("strategies/fedavg.py", "from fedsim.seams import WeightedSumRule\nfrom . import compensation\n"),
     ("attacks/__init__.py", "from . import dlg\n"),
+    ("experiments/fedboosting_table.py", "from fedsim.app.sweep import run_sweep\nfrom fedsim.reports import md_table\n"
+                                         "from . import fedboosting_boundaries\n"),
 ])
 def test_the_checker_allows_what_the_layers_allow(path, source):
     assert violations({path: source}) == []
@@ -122,14 +141,21 @@ def test_the_checker_allows_what_the_layers_allow(path, source):
 
 # ------------------------------------------------------------------------------ the message protocol
 def wire_keys() -> dict[str, str]:
-    """Every string constant of fedsim/protocol.py that names a record, key, state entry or message type.
-
-    The recipe keys (``lr``, ``batch_size``, ``local_steps``, ``local_epochs``) are also the names of
-    the ``[train]`` config keys and are left out: they are spelled by the config schema as well."""
+    """Every string constant of fedsim/protocol.py that names a record, key, state entry or message type."""
     import fedsim.protocol as protocol
 
-    return {name: v for name, v in vars(protocol).items()
-            if name.isupper() and isinstance(v, str) and v not in protocol.RECIPE_KEYS}
+    return {name: v for name, v in vars(protocol).items() if name.isupper() and isinstance(v, str)}
+
+
+def config_spelled_keys() -> set[str]:
+    """Recipe keys that are also ``[train]`` config keys (``lr``, ``batch_size``, ...): the config schema
+    and config reads (``cfg["train"]["lr"]``) spell them too, so only where a wire key stands (a message's
+    content, a recipe) must they be the protocol's constants. A recipe key that is no config key
+    (FedProx's ``proximal-mu``) counts everywhere."""
+    from fedsim.config import SCHEMA
+    from fedsim.protocol import RECIPE_KEYS
+
+    return {k for k in RECIPE_KEYS if f"train.{k}" in SCHEMA}
 
 
 def _docstring_nodes(tree: ast.AST) -> set[int]:
@@ -142,20 +168,34 @@ def _docstring_nodes(tree: ast.AST) -> set[int]:
     return ids
 
 
+MESSAGE_CATEGORIES = ("train", "evaluate", "query")  # ClientApp.<category>(action) registers a handler
+
+
 def _wire_positions(tree: ast.AST) -> set[int]:
     """Constants that stand where a wire key goes: the index of ``<...>.content[...]`` (or of a record
-    taken from it), ``.content.get(...)``, a key of a ``RecordDict({...})`` literal, ``message_type=``."""
+    taken from it) and of a recipe (``<...>.recipe[...]``, ``recipe[...]``), ``.content.get(...)`` and
+    ``.recipe.get(...)``, the left side of ``... in <...>.recipe``, a key of a ``RecordDict({...})``
+    literal, ``message_type=``, and the action of a handler decorator ``@<app>.train/evaluate/query(...)``."""
     ids: set[int] = set()
 
-    def mentions_content(e: ast.AST) -> bool:
-        return any(isinstance(n, ast.Attribute) and n.attr == "content" for n in ast.walk(e))
+    def mentions_wire(e: ast.AST) -> bool:
+        return any((isinstance(n, ast.Attribute) and n.attr in ("content", "recipe"))
+                   or (isinstance(n, ast.Name) and n.id == "recipe") for n in ast.walk(e))
 
     for node in ast.walk(tree):
-        if isinstance(node, ast.Subscript) and mentions_content(node.value):
+        if isinstance(node, ast.Subscript) and mentions_wire(node.value):
             ids.add(id(node.slice))
+        elif isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.In, ast.NotIn)) \
+                and mentions_wire(node.comparators[0]):
+            ids.add(id(node.left))
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for d in node.decorator_list:
+                if isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) \
+                        and d.func.attr in MESSAGE_CATEGORIES:
+                    ids |= {id(a) for a in d.args} | {id(k.value) for k in d.keywords if k.arg == "action"}
         elif isinstance(node, ast.Call):
             f = node.func
-            if isinstance(f, ast.Attribute) and f.attr == "get" and mentions_content(f.value) and node.args:
+            if isinstance(f, ast.Attribute) and f.attr == "get" and mentions_wire(f.value) and node.args:
                 ids.add(id(node.args[0]))
             if getattr(f, "id", getattr(f, "attr", "")) == "RecordDict" and node.args \
                     and isinstance(node.args[0], ast.Dict):
@@ -164,11 +204,14 @@ def _wire_positions(tree: ast.AST) -> set[int]:
     return ids
 
 
-def stray_literals(files: dict[str, str], keys: dict[str, str]) -> list[str]:
+def stray_literals(files: dict[str, str], keys: dict[str, str], config_keys: set[str] = frozenset()) -> list[str]:
     """Wire keys spelled outside fedsim/protocol.py. Keys with a ``-``, ``_`` or ``.`` (``partition-id``,
-    ``noise_variance``, ...) count anywhere but in docstrings; plain words that are also ordinary names
-    (``arrays``, ``config``, ``train``, ...) count where a message key or type stands."""
-    values = {v: k for k, v in keys.items()}
+    ``noise_variance``, ...) count anywhere but in docstrings, except ``config_keys`` (also config key
+    names); plain words that are also ordinary names (``arrays``, ``config``, ``train``, ``lr``, ...) and
+    ``config_keys`` count where a wire key stands (:func:`_wire_positions`)."""
+    values: dict[str, list[str]] = {}
+    for k, v in keys.items():
+        values.setdefault(v, []).append(k)
     out = []
     for rel, source in files.items():
         if rel == "fedsim/protocol.py":
@@ -177,22 +220,32 @@ def stray_literals(files: dict[str, str], keys: dict[str, str]) -> list[str]:
         docs, wire = _docstring_nodes(tree), _wire_positions(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in values \
-                    and id(node) not in docs and (not node.value.isalpha() or id(node) in wire):
-                out.append(f"{rel}:{node.lineno}: {node.value!r} (use fedsim.protocol.{values[node.value]})")
+                    and id(node) not in docs and (id(node) in wire
+                                                  or not (node.value.isalpha() or node.value in config_keys)):
+                names = " or ".join(f"fedsim.protocol.{n}" for n in values[node.value])
+                out.append(f"{rel}:{node.lineno}: {node.value!r} (use {names})")
     return out
 
 
 def test_every_wire_key_is_spelled_only_in_the_protocol_module():
-    keys = wire_keys()
+    keys, config_keys = wire_keys(), config_spelled_keys()
     assert {"ARRAYS", "METRICS", "CONFIG", "PARTITION_ID", "NUM_EXAMPLES", "NOISE_VARIANCE", "FEDSIM_CONFIG",
-            "SERVER_ROUND", "TRAIN", "QUERY", "EVALUATE", "CHANNEL_SETUP"} <= set(keys)
-    assert stray_literals(package_files(), keys) == []
+            "SERVER_ROUND", "TRAIN", "QUERY", "EVALUATE", "CHANNEL_SETUP", "CHANNEL_SETUP_ACTION",
+            "CROSS_VALIDATE_ACTION", "PROXIMAL_MU", "LR"} <= set(keys)
+    assert config_keys == {"lr", "batch_size", "local_steps", "local_epochs", "momentum", "weight_decay"}
+    assert stray_literals(package_files(), keys, config_keys) == []
     # the check itself sees stray keys in each position
     for source in ('n = reply.content["metrics"]\n', 'n = metrics["num-examples"]\n',
                    'm = Message(RecordDict({"arrays": a}), message_type="train")\n',
-                   'c = msg.content.get("config")\n', 'r = msg.content["metrics"]["partition-id"]\n'):
-        assert stray_literals({"strategies/x.py": source}, keys), source
-    assert stray_literals({"strategies/x.py": 'cfg["train"]["lr"]\n'}, keys) == []  # a config section
+                   'c = msg.content.get("config")\n', 'r = msg.content["metrics"]["partition-id"]\n',
+                   '@client_app.query("channel")\ndef setup(msg, context): ...\n',
+                   '@app.evaluate(action="crossval")\ndef cv(msg, context): ...\n',
+                   'lr = float(ctx.recipe["lr"])\n', 'bs = recipe.get("batch_size", 8)\n',
+                   'known = "lr" in update.recipe\n', 'mu = config["proximal-mu"]\n'):
+        assert stray_literals({"strategies/x.py": source}, keys, config_keys), source
+    for source in ('cfg["train"]["lr"]\n', 'bs = int(train["batch_size"])\n',  # config reads
+                   '@client_app.query()\ndef q(msg, context): ...\n'):
+        assert stray_literals({"strategies/x.py": source}, keys, config_keys) == [], source
 
 
 def test_flower_app_components_exist():

@@ -35,6 +35,29 @@ def _superlinks(flwr_home: Path) -> list[int]:
     return pids
 
 
+def test_flwr_run_config_path_resolution(tmp_path):
+    """The ServerApp's ``config`` run-config key: absolute as is, relative under the project root first,
+    then under the app bundle (FAB); a relative path in neither fails naming both places."""
+    from fedsim.app.flower import resolve_config_path
+    from fedsim.config import ConfigError
+
+    root, fab = tmp_path / "project", tmp_path / "fab"
+    for base, names in ((root, ["both.toml", "sub/root-only.toml"]), (fab, ["both.toml", "sub/fab-only.toml"])):
+        for name in names:
+            (base / name).parent.mkdir(parents=True, exist_ok=True)
+            (base / name).write_text("")
+    elsewhere = tmp_path / "elsewhere.toml"
+    assert resolve_config_path(str(elsewhere), root, fab) == elsewhere  # absolute: as is (even if missing)
+    assert resolve_config_path("sub/root-only.toml", root, fab) == root / "sub/root-only.toml"
+    assert resolve_config_path("both.toml", root, fab) == root / "both.toml"  # the root wins
+    assert resolve_config_path("sub/fab-only.toml", root, fab) == fab / "sub/fab-only.toml"
+    assert resolve_config_path("sub/root-only.toml", root, None) == root / "sub/root-only.toml"
+    with pytest.raises(ConfigError, match=rf"'config' = 'sub/nope.toml': no such file under '{root}' or '{fab}'"):
+        resolve_config_path("sub/nope.toml", root, fab)
+    with pytest.raises(ConfigError, match=rf"'sub/fab-only.toml': no such file under '{root}' \(the project root\)"):
+        resolve_config_path("sub/fab-only.toml", root, None)  # not run from a FAB: only the root
+
+
 @pytest.mark.ray
 def test_flwr_run_runs_fedsim_apps_and_the_superlink_is_stopped(tmp_path):
     flwr = Path(sys.executable).with_name("flwr")

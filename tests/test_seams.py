@@ -45,8 +45,10 @@ class ScaledChannel(PlainChannel):
     """Test-only channel: the client sends 2x its model, the server halves the combination."""
 
     name = "test-scaled"
+    combined: list[dict] = []  # spy: what each weighted_mean call got (the replies as they arrived)
 
     def weighted_mean(self, replies, weights):
+        ScaledChannel.combined.append({r.partition: [np.array(a) for a in r.arrays] for r in replies})
         return [a / 2 for a in super().weighted_mean(replies, weights)]
 
     def client_view(self, reply):
@@ -109,11 +111,17 @@ def test_compensation_transform_wraps_any_rule(rule, small_cfg, recorder, tmp_pa
     assert row["mp-compensation.kept"] == info["kept"]
 
 
-def test_a_new_channel_plugs_in_and_gives_the_same_aggregate(small_cfg, recorder, tmp_path, test_components):
-    """The scaled channel's payloads differ from the plain ones, FedAvg is untouched, and the
-    aggregate is the plain channel's (bit for bit: scaling by 2 is exact in floating point)."""
+def test_a_new_channel_plugs_in_and_gives_the_same_aggregate(small_cfg, recorder, tmp_path, test_components,
+                                                             monkeypatch):
+    """The scaled channel carries 2x each client's model (its client half encoded them, its server half
+    combined them), FedAvg is untouched, and the aggregate is the plain channel's (bit for bit: scaling
+    by 2 is exact in floating point)."""
+    from conftest import RecordingObserver
+
+    monkeypatch.setattr(ScaledChannel, "combined", [])
+    plain_seen = RecordingObserver()
     cfg = small_cfg("federation.rounds=2", 'data.partition="dirichlet"', "data.alpha=0.5")
-    plain = run_experiment(cfg, out=tmp_path / "plain", progress=False)
+    plain = run_experiment(cfg, out=tmp_path / "plain", observers=[plain_seen], progress=False)
     scaled_cfg = small_cfg("federation.rounds=2", 'data.partition="dirichlet"', "data.alpha=0.5",
                            'channel.name="test-scaled"')
     scaled = run_experiment(scaled_cfg, out=tmp_path / "scaled", observers=[recorder], progress=False)
@@ -121,9 +129,18 @@ def test_a_new_channel_plugs_in_and_gives_the_same_aggregate(small_cfg, recorder
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert [r["accuracy"] for r in read_jsonl(plain / "metrics.jsonl")] == \
         [r["accuracy"] for r in read_jsonl(scaled / "metrics.jsonl")]
-    # the observers got the decoded (halved) models, i.e. real client models near the global one
-    u = recorder.by_round()[1][0]
-    assert max(float(np.abs(w - g).max()) for w, g in zip(u.weights, u.global_weights)) < 1.0
+    # the scaled channel was used: its server half combined every round's replies, and each reply that
+    # crossed the wire is exactly 2x the model the same client trained in the plain run
+    assert len(ScaledChannel.combined) == 2
+    for rnd, combined in enumerate(ScaledChannel.combined, start=1):
+        plain_models = {u.client_id: u.weights for u in plain_seen.by_round()[rnd]}
+        assert sorted(combined) == sorted(plain_models) and combined
+        for client, sent in combined.items():
+            assert all(np.array_equal(s, 2 * w) for s, w in zip(sent, plain_models[client], strict=True))
+    # the observers got the decoded (halved) models: the plain run's client models
+    plain_models = {u.client_id: u.weights for u in plain_seen.by_round()[1]}
+    for u in recorder.by_round()[1]:
+        assert all(np.array_equal(w, p) for w, p in zip(u.weights, plain_models[u.client_id], strict=True))
 
 
 def test_impossible_combinations_are_refused_at_config_time(small_cfg, test_components):

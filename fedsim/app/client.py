@@ -42,6 +42,7 @@ from fedsim.components import CLIENT_CHANNELS, FLOWER_MODS
 from fedsim.config import client_pipeline
 from fedsim.factories import client_data, client_validation_data, dataset_for, model_for
 from fedsim.protocol import (
+    CHANNEL_SETUP_ACTION,
     CONFIG,
     CROSS_VALIDATE_ACTION,
     CROSSVAL_LOSSES,
@@ -208,7 +209,7 @@ def query(msg: Message, context: Context) -> Message:
                    reply_to=msg)
 
 
-@client_app.query("channel")
+@client_app.query(CHANNEL_SETUP_ACTION)
 @serve_partitions
 @mirrored
 def channel_setup(msg: Message, context: Context) -> Message:

@@ -39,14 +39,20 @@ def project_root() -> Path:
 
 
 def resolve_config_path(path: str, root: Path, app_dir: Path | None = None) -> Path:
-    """``path`` as is when absolute, else under ``root``, else under ``app_dir`` (the FAB copy)."""
+    """``path`` as is when absolute (load_config reports it if missing), else under ``root``, else under
+    ``app_dir`` (the FAB copy). A relative path found in neither is a ConfigError naming both places."""
+    from fedsim.config import ConfigError
+
     p = Path(path).expanduser()
     if p.is_absolute():
         return p
-    for base in (root, app_dir):
-        if base is not None and (base / p).is_file():
+    bases = [b for b in (root, app_dir) if b is not None]
+    for base in bases:
+        if (base / p).is_file():
             return base / p
-    return root / p  # let load_config report the missing file with a full path
+    raise ConfigError(f"run config 'config' = {path!r}: no such file under "
+                      + " or ".join(f"{str(b)!r}" for b in bases)
+                      + " (the project root" + (", then the app bundle)" if app_dir is not None else ")"))
 
 
 def _app_dir() -> Path | None:
