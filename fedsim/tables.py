@@ -17,8 +17,11 @@ label and its report one or more tables laid out like the paper's:
   drop); the best defense at equal utility (largest strongest-attack error among the settings within a
   utility budget) and the utility-privacy scatter (Fig. 3);
 * :func:`check_claims` - ``[[experiment.claims]]``: a paper claim as a comparison of two cells
-  (``"variant:column"``) or of a cell with a number (plus an optional ``margin``), evaluated on the rows: our numbers and whether it
-  holds (``docs/results/README.md``).
+  (``"variant:column"``) or of a cell with a number, evaluated on the rows: our numbers and whether it
+  holds (``docs/results/README.md``). ``op`` is one of ``>``, ``>=``, ``<``, ``<=`` (the claim is
+  ``value op than + margin``, ``margin`` optional, default 0: one-sided, e.g. "costs at most 1 point" is
+  ``value >= than`` with ``margin = -0.01``) or ``~=`` (two-sided: ``|value - than| <= margin``, ``margin``
+  required and >= 0: "within 0.5 points of" is ``op = "~="`` with ``margin = 0.005``).
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from fedsim.config import ConfigError
 
 LAYOUTS = ("cells-as-columns", "cells-as-rows")
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+WITHIN = "~="  # two-sided: |value - than| <= margin
 
 
 def _num(v: Any) -> float | None:
@@ -137,9 +141,13 @@ def check_claims(claims: Any, labels: Sequence[str], where: str = "experiment.cl
                 raise ConfigError(f"{w}: best_family must be a family name and budget a number")
             out.append(dict(c))
             continue
-        if c.get("op") not in OPS:
-            raise ConfigError(f"{w}.op must be one of {list(OPS)}, got {c.get('op')!r}")
-        if "margin" in c and _num(c["margin"]) is None:
+        if c.get("op") not in (*OPS, WITHIN):
+            raise ConfigError(f"{w}.op must be one of {[*OPS, WITHIN]}, got {c.get('op')!r}")
+        if c["op"] == WITHIN:
+            if _num(c.get("margin")) is None or c["margin"] < 0:
+                raise ConfigError(f"{w}.margin must be a number >= 0 with op = '{WITHIN}' "
+                                  "(the claim is: |value - than| <= margin)")
+        elif "margin" in c and _num(c["margin"]) is None:
             raise ConfigError(f"{w}.margin must be a number (the claim is: value op than + margin)")
         for k in ("value", "than"):
             v = c.get(k)
@@ -354,10 +362,16 @@ def evaluate_claims(claims: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[
             continue
         a, b = value(c["value"]), value(c["than"])
         m = float(c.get("margin", 0.0))
-        holds = None if a is None or b is None else bool(OPS[c["op"]](a, b + m))
         than = f"{c['than']}" + (f" = {b:.4g}" if _num(c["than"]) is None and b is not None else "")
-        ours = (f"{c['value']} = {a:.4g} {c['op']} {than}" + (f" {m:+g}" if m else "")) if a is not None \
-            else f"{c['value']} missing"
+        if c["op"] == WITHIN:
+            holds = None if a is None or b is None else bool(abs(a - b) <= m + 1e-12)  # 1e-12: float noise
+            ours = (f"{c['value']} = {a:.4g}, {than}: |difference| = {abs(a - b):.4g}"
+                    f" {'<=' if holds else '>'} {m:g}") if a is not None and b is not None else ""
+        else:
+            holds = None if a is None or b is None else bool(OPS[c["op"]](a, b + m))
+            ours = (f"{c['value']} = {a:.4g} {c['op']} {than}" + (f" {m:+g}" if m else "")) if a is not None else ""
+        if a is None:
+            ours = f"{c['value']} missing"
         if b is None and a is not None:
             ours = f"{c['than']} missing"
         out.append({"text": c["text"], "value": a, "than": b, "op": c["op"], "margin": m, "holds": holds,

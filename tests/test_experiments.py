@@ -98,6 +98,25 @@ def test_claims_are_evaluated_on_the_numbers():
     assert evaluate_claims(claims[:1], rows)[0]["holds"] is None  # a missing cell: not measured, not "no"
 
 
+def test_a_two_sided_claim_fails_where_the_one_sided_one_passes():
+    """``op = "~="``: |value - than| <= margin. "Within 0.5 points" of a better number must fail; a
+    one-sided ``>=`` with a negative margin passes (what the fedboosting claim used to do)."""
+    rows = _rows()  # none B=1: accuracy 0.80; prune 0.5 B=1: 0.78
+    hi, lo = "none B=1:accuracy", "prune 0.5 B=1:accuracy"
+    claims = [{"text": "one-sided", "value": hi, "op": ">=", "than": lo, "margin": -0.005},
+              {"text": "two-sided", "value": hi, "op": "~=", "than": lo, "margin": 0.005},
+              {"text": "below", "value": lo, "op": "~=", "than": hi, "margin": 0.005},
+              {"text": "wide", "value": hi, "op": "~=", "than": lo, "margin": 0.03},
+              {"text": "edge", "value": hi, "op": "~=", "than": lo, "margin": 0.02},  # 0.8 - 0.78 in floats
+              {"text": "number", "value": lo, "op": "~=", "than": 0.79, "margin": 0.005}]
+    out = evaluate_claims(claims, rows)
+    assert [c["holds"] for c in out] == [True, False, False, True, True, False]
+    assert "|difference| = 0.02 > 0.005" in out[1]["ours"] and "<= 0.03" in out[3]["ours"]
+    missing = [{"text": "m", "value": "none B=1:nope", "op": "~=", "than": lo, "margin": 0.1}]
+    assert evaluate_claims(missing, rows)[0]["holds"] is None
+    assert "missing" in evaluate_claims(missing, rows)[0]["ours"]
+
+
 @pytest.mark.parametrize("bad, msg", [
     ('[report]\nwhat = 1', "report: unknown keys"),
     ('[[report.tables]]\ntitle = "t"\ncells = []', r"report.tables\[0\].cells must be"),
@@ -106,6 +125,8 @@ def test_claims_are_evaluated_on_the_numbers():
     ('[quick]\nvariants = ["nope"]', "quick.variants must list variant labels"),
     ('[[experiment.claims]]\ntext = "t"\nvalue = "nope:loss"\nop = ">"\nthan = 1', "no variant labelled 'nope'"),
     ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~"\nthan = 1', "op must be one of"),
+    ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~="\nthan = 1', r"margin must be a number >= 0"),
+    ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~="\nthan = 1\nmargin = -0.1', r"margin must be"),
 ])
 def test_bad_experiment_files_name_the_key(tmp_path, bad, msg):
     p = tmp_path / "e.toml"
