@@ -383,6 +383,8 @@ def test_the_decision_boundary_figure_is_one_command(tmp_path):
     with Image.open(out / fb.FIGURE) as im:
         assert im.format == "PNG" and im.size[0] > 1000 and im.size[1] > 700
         assert len(set(im.convert("RGB").getdata())) > 50  # filled panels, not a blank canvas
+    # the experiment's report links it (it is drawn by the sweep's [[report.figures]] hook)
+    assert f"]({fb.FIGURE})" in (out / "report.md").read_text()
     # the plotted probabilities are the model's
     from fedsim.app.sweep import load_sweep
 
