@@ -7,7 +7,8 @@ Runs ``experiments/fedboosting.toml`` (labels ``<split> <method>[ <protection>]`
 sweep folder ``table.md`` (rows: method x protection as in Table 4.3; for each split: the final test
 accuracy, the mean over the last 5 rounds, and the mean over all rounds - the area under the accuracy
 curve, higher when a method converges faster) and ``accuracy_curves.png`` (test accuracy per round,
-one panel per split).
+one panel per split). The experiment file names :func:`draw` in ``[[report.figures]]``, so ``fedsim
+experiment fedboosting`` draws the curves too, shows them in its report and ``--publish`` copies them.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 
 SWEEP = Path(__file__).with_name("fedboosting.toml")
+FIGURE = "accuracy_curves.png"
 ROWS = (("FedAvg", "N/A"), ("FedAvg", "HE"), ("FedBoosting", "N/A"), ("FedBoosting", "DP"),
         ("FedBoosting", "HE+DP"))
 LAST = 5
@@ -31,12 +33,25 @@ def parse_label(label: str) -> tuple[str, str, str]:
 
 
 def collect(out_dir: Path) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
+    """Each finished variant's per-round metrics (a failed run, without ``metrics.jsonl``, is left out)."""
     from fedsim.reports import read_jsonl
 
     out = {}
     for row in read_jsonl(out_dir / "sweep.jsonl"):
-        out[parse_label(row["variant"])] = read_jsonl(out_dir / row["run"] / "metrics.jsonl")
+        metrics = out_dir / str(row.get("run") or "") / "metrics.jsonl"
+        if row.get("run") and metrics.exists():
+            out[parse_label(row["variant"])] = read_jsonl(metrics)
     return out
+
+
+def draw(out_dir: Path, configs: dict[str, dict[str, Any]]) -> Path | None:
+    """The experiment's ``[[report.figures]]`` hook: the accuracy curves of the variants that have run so
+    far (None before the first)."""
+    runs = collect(out_dir) if (out_dir / "sweep.jsonl").exists() else {}
+    if not runs:
+        return None
+    curves(runs, out_dir / FIGURE)
+    return out_dir / FIGURE
 
 
 def table(runs: dict[tuple[str, str, str], list[dict[str, Any]]]) -> str:
@@ -107,9 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     runs = collect(out_dir)
     text = table(runs)
     atomic_write_text(out_dir / "table.md", "# FedBoosting vs FedAvg (seed 003 Table 4.3 in shape)\n\n" + text + "\n")
-    curves(runs, out_dir / "accuracy_curves.png")
+    curves(runs, out_dir / FIGURE)
     print(text)
-    print(f"[fedsim] {out_dir / 'table.md'}, {out_dir / 'accuracy_curves.png'}", file=sys.stderr)
+    print(f"[fedsim] {out_dir / 'table.md'}, {out_dir / FIGURE}", file=sys.stderr)
     return 0
 
 

@@ -16,9 +16,18 @@ label and its report one or more tables laid out like the paper's:
   utility loss against the undefended variant of the same ``row`` (final loss increase or accuracy
   drop); the best defense at equal utility (largest strongest-attack error among the settings within a
   utility budget) and the utility-privacy scatter (Fig. 3);
+* ``[[report.figures]]`` - ``{title, draw}``: a figure the experiment draws itself after its runs, shown
+  right after the header: ``draw`` is an import reference (``"package.module:function"``, or
+  ``"file.py:function"`` relative to the experiment file) to ``function(out_dir, configs)``, where
+  ``configs`` maps every variant's label to its resolved config; it writes a PNG into the sweep folder
+  and returns its path, or None when it cannot be drawn from the runs there (e.g. ``--only`` left out
+  a variant it needs). A figure that fails is noted in the report, not fatal;
 * :func:`check_claims` - ``[[experiment.claims]]``: a paper claim as a comparison of two cells
-  (``"variant:column"``) or of a cell with a number (plus an optional ``margin``), evaluated on the rows: our numbers and whether it
-  holds (``docs/results/README.md``).
+  (``"variant:column"``) or of a cell with a number, evaluated on the rows: our numbers and whether it
+  holds (``docs/results/README.md``). ``op`` is one of ``>``, ``>=``, ``<``, ``<=`` (the claim is
+  ``value op than + margin``, ``margin`` optional, default 0: one-sided, e.g. "costs at most 1 point" is
+  ``value >= than`` with ``margin = -0.01``) or ``~=`` (two-sided: ``|value - than| <= margin``, ``margin``
+  required and >= 0: "within 0.5 points of" is ``op = "~="`` with ``margin = 0.005``).
 """
 from __future__ import annotations
 
@@ -31,6 +40,7 @@ from fedsim.config import ConfigError
 
 LAYOUTS = ("cells-as-columns", "cells-as-rows")
 OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+WITHIN = "~="  # two-sided: |value - than| <= margin
 
 
 def _num(v: Any) -> float | None:
@@ -68,15 +78,39 @@ def check_cells(cells: Any, where: str) -> list[dict[str, Any]]:
     return out
 
 
-def check_report(report: Any, where: str = "report") -> dict[str, Any]:
-    """Validate ``[report]`` (tables and systematic); returns it normalised."""
+def check_figures(figures: Any, where: str, base: str | None = None) -> list[dict[str, str]]:
+    """``[[report.figures]]``: ``{title, draw}``; ``draw`` must import (a file reference is made absolute
+    against ``base``, the experiment file's folder)."""
+    from fedsim.components import absolute_reference, is_reference, resolve_reference
+
+    if not isinstance(figures, list):
+        raise ConfigError(f"{where} must be a list of {{title = ..., draw = 'module:function'}} tables")
+    out = []
+    for i, f in enumerate(figures):
+        w = f"{where}[{i}]"
+        if not isinstance(f, dict) or not isinstance(f.get("title"), str) or not is_reference(f.get("draw")):
+            raise ConfigError(f"{w} must be a table with a 'title' and 'draw' = 'module:function'")
+        unknown = set(f) - {"title", "draw"}
+        if unknown:
+            raise ConfigError(f"{w}: unknown keys {sorted(unknown)} (title, draw)")
+        ref = absolute_reference(f["draw"], base)
+        if not callable(resolve_reference(ref, f"{w}.draw")):
+            raise ConfigError(f"{w}.draw: {f['draw']!r} is not a function")
+        out.append({"title": f["title"], "draw": ref})
+    return out
+
+
+def check_report(report: Any, where: str = "report", base: str | None = None) -> dict[str, Any]:
+    """Validate ``[report]`` (tables, figures and systematic); returns it normalised. ``base``: the folder
+    file references in ``figures`` are relative to."""
     if report is None:
-        return {"tables": [], "systematic": None}
+        return {"tables": [], "systematic": None, "figures": []}
     if not isinstance(report, dict):
         raise ConfigError(f"{where} must be a table")
-    unknown = set(report) - {"tables", "systematic"}
+    unknown = set(report) - {"tables", "systematic", "figures"}
     if unknown:
-        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (tables, systematic)")
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)} (tables, figures, systematic)")
+    figures = check_figures(report.get("figures", []), f"{where}.figures", base)
     tables = []
     for i, t in enumerate(report.get("tables", [])):
         w = f"{where}.tables[{i}]"
@@ -114,7 +148,7 @@ def check_report(report: Any, where: str = "report") -> dict[str, Any]:
         if not isinstance(budgets, list) or not all(_num(b) is not None for b in budgets):
             raise ConfigError(f"{w}.budgets must be a list of numbers (utility-loss levels)")
         sys_ = {"error": "rmse", "utility": "loss", "budgets": [], **sys_}
-    return {"tables": tables, "systematic": sys_}
+    return {"tables": tables, "systematic": sys_, "figures": figures}
 
 
 def check_claims(claims: Any, labels: Sequence[str], where: str = "experiment.claims") -> list[dict[str, Any]]:
@@ -137,9 +171,13 @@ def check_claims(claims: Any, labels: Sequence[str], where: str = "experiment.cl
                 raise ConfigError(f"{w}: best_family must be a family name and budget a number")
             out.append(dict(c))
             continue
-        if c.get("op") not in OPS:
-            raise ConfigError(f"{w}.op must be one of {list(OPS)}, got {c.get('op')!r}")
-        if "margin" in c and _num(c["margin"]) is None:
+        if c.get("op") not in (*OPS, WITHIN):
+            raise ConfigError(f"{w}.op must be one of {[*OPS, WITHIN]}, got {c.get('op')!r}")
+        if c["op"] == WITHIN:
+            if _num(c.get("margin")) is None or c["margin"] < 0:
+                raise ConfigError(f"{w}.margin must be a number >= 0 with op = '{WITHIN}' "
+                                  "(the claim is: |value - than| <= margin)")
+        elif "margin" in c and _num(c["margin"]) is None:
             raise ConfigError(f"{w}.margin must be a number (the claim is: value op than + margin)")
         for k in ("value", "than"):
             v = c.get(k)
@@ -354,10 +392,16 @@ def evaluate_claims(claims: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[
             continue
         a, b = value(c["value"]), value(c["than"])
         m = float(c.get("margin", 0.0))
-        holds = None if a is None or b is None else bool(OPS[c["op"]](a, b + m))
         than = f"{c['than']}" + (f" = {b:.4g}" if _num(c["than"]) is None and b is not None else "")
-        ours = (f"{c['value']} = {a:.4g} {c['op']} {than}" + (f" {m:+g}" if m else "")) if a is not None \
-            else f"{c['value']} missing"
+        if c["op"] == WITHIN:
+            holds = None if a is None or b is None else bool(abs(a - b) <= m + 1e-12)  # 1e-12: float noise
+            ours = (f"{c['value']} = {a:.4g}, {than}: |difference| = {abs(a - b):.4g}"
+                    f" {'<=' if holds else '>'} {m:g}") if a is not None and b is not None else ""
+        else:
+            holds = None if a is None or b is None else bool(OPS[c["op"]](a, b + m))
+            ours = (f"{c['value']} = {a:.4g} {c['op']} {than}" + (f" {m:+g}" if m else "")) if a is not None else ""
+        if a is None:
+            ours = f"{c['value']} missing"
         if b is None and a is not None:
             ours = f"{c['than']} missing"
         out.append({"text": c["text"], "value": a, "than": b, "op": c["op"], "margin": m, "holds": holds,

@@ -98,6 +98,57 @@ def test_claims_are_evaluated_on_the_numbers():
     assert evaluate_claims(claims[:1], rows)[0]["holds"] is None  # a missing cell: not measured, not "no"
 
 
+def test_a_two_sided_claim_fails_where_the_one_sided_one_passes():
+    """``op = "~="``: |value - than| <= margin. "Within 0.5 points" of a better number must fail; a
+    one-sided ``>=`` with a negative margin passes (what the fedboosting claim used to do)."""
+    rows = _rows()  # none B=1: accuracy 0.80; prune 0.5 B=1: 0.78
+    hi, lo = "none B=1:accuracy", "prune 0.5 B=1:accuracy"
+    claims = [{"text": "one-sided", "value": hi, "op": ">=", "than": lo, "margin": -0.005},
+              {"text": "two-sided", "value": hi, "op": "~=", "than": lo, "margin": 0.005},
+              {"text": "below", "value": lo, "op": "~=", "than": hi, "margin": 0.005},
+              {"text": "wide", "value": hi, "op": "~=", "than": lo, "margin": 0.03},
+              {"text": "edge", "value": hi, "op": "~=", "than": lo, "margin": 0.02},  # 0.8 - 0.78 in floats
+              {"text": "number", "value": lo, "op": "~=", "than": 0.79, "margin": 0.005}]
+    out = evaluate_claims(claims, rows)
+    assert [c["holds"] for c in out] == [True, False, False, True, True, False]
+    assert "|difference| = 0.02 > 0.005" in out[1]["ours"] and "<= 0.03" in out[3]["ours"]
+    missing = [{"text": "m", "value": "none B=1:nope", "op": "~=", "than": lo, "margin": 0.1}]
+    assert evaluate_claims(missing, rows)[0]["holds"] is None
+    assert "missing" in evaluate_claims(missing, rows)[0]["ours"]
+
+
+def test_report_figures_are_drawn_linked_or_noted(tmp_path):
+    """``[[report.figures]]``: a hook that draws is linked right after the header, one that returns None
+    (cannot draw from these runs) leaves no section, one that fails is noted and the report still written;
+    a file reference is relative to the experiment file."""
+    from fedsim.app.sweep import experiment_figures
+
+    (tmp_path / "figs.py").write_text(
+        "from pathlib import Path\n"
+        "def ok(out_dir, configs):\n"
+        "    p = Path(out_dir) / 'f.png'\n"
+        "    p.write_text(','.join(sorted(configs)))\n"
+        "    return p\n"
+        "def none(out_dir, configs):\n"
+        "    return None\n"
+        "def boom(out_dir, configs):\n"
+        "    raise RuntimeError('no model.pt')\n")
+    p = tmp_path / "e.toml"
+    p.write_text('name = "e"\n[train]\nlocal_steps = 1\n[experiment]\ntitle = "t"\n'
+                 '[[report.figures]]\ntitle = "Drawn"\ndraw = "figs.py:ok"\n'
+                 '[[report.figures]]\ntitle = "Skipped"\ndraw = "figs.py:none"\n'
+                 '[[report.figures]]\ntitle = "Broken"\ndraw = "figs.py:boom"\n'
+                 '[[variants]]\nlabel = "a"\n[[variants]]\nlabel = "b"\n')
+    spec = load_spec(p)
+    assert spec.report["figures"][0]["draw"] == f"{tmp_path / 'figs.py'}:ok"  # made absolute
+    out = tmp_path / "sweep"
+    out.mkdir()
+    text = "\n".join(experiment_figures(out, spec, spec.variants))
+    assert "## Drawn\n" in text and "![Drawn](f.png)" in text and (out / "f.png").read_text() == "a,b"
+    assert "Skipped" not in text
+    assert "## Broken" in text and "Not drawn: RuntimeError: no model.pt" in text
+
+
 @pytest.mark.parametrize("bad, msg", [
     ('[report]\nwhat = 1', "report: unknown keys"),
     ('[[report.tables]]\ntitle = "t"\ncells = []', r"report.tables\[0\].cells must be"),
@@ -106,6 +157,11 @@ def test_claims_are_evaluated_on_the_numbers():
     ('[quick]\nvariants = ["nope"]', "quick.variants must list variant labels"),
     ('[[experiment.claims]]\ntext = "t"\nvalue = "nope:loss"\nop = ">"\nthan = 1', "no variant labelled 'nope'"),
     ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~"\nthan = 1', "op must be one of"),
+    ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~="\nthan = 1', r"margin must be a number >= 0"),
+    ('[[report.figures]]\ntitle = "t"\ndraw = "no_such_module_xyz:f"', r"report.figures\[0\].draw: cannot import"),
+    ('[[report.figures]]\ntitle = "t"', r"report.figures\[0\] must be a table with a 'title' and 'draw'"),
+    ('[[report.figures]]\ntitle = "t"\ndraw = "json:__name__"', r"is not a function"),
+    ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~="\nthan = 1\nmargin = -0.1', r"margin must be"),
 ])
 def test_bad_experiment_files_name_the_key(tmp_path, bad, msg):
     p = tmp_path / "e.toml"
@@ -173,6 +229,10 @@ def test_quick_variant_runs_and_has_the_papers_table_shape(name, tmp_path):
     if spec.claims:
         claims = json.loads((out / "claims.json").read_text())
         assert [c["text"] for c in claims] == [c["text"] for c in spec.claims]
+    for fig in spec.report["figures"]:  # drawn, linked, and no failure note
+        assert f"## {fig['title']}\n" in report and "Not drawn" not in report
+        link = report.split(f"## {fig['title']}\n", 1)[1].split("](", 1)[1].split(")", 1)[0]
+        assert (out / link).stat().st_size > 5000
 
 
 def test_rerun_skips_complete_variants_and_publish_writes_the_index(tmp_path, capsys):

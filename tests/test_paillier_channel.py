@@ -3,26 +3,33 @@ through the real Ray simulation. Small keys keep the suite fast (they warn; 2048
 
 What is asserted: the decrypted aggregate equals the plaintext FedAvg aggregate within the quantizer's
 bound (packed and per-element, unequal weights, negative values); overflow-prone settings are refused;
-the private key's primes, its serialisation and the X25519 shared secrets appear in no message and in
-no server-side object; observers get ciphertexts only and the curious server says it attacked
+the private key's integers (p, q and phe's derived values, as bytes and strings), its serialisation,
+the X25519 private keys and shared secrets and the HKDF-derived AES keys appear in no message and in no
+server-side object (searched by a walker that is tested itself and must reach a floor of values); observers get ciphertexts only and the curious server says it attacked
 nothing; a client that drops out after encrypting, a corrupted payload and a wrong-key payload are
 recorded failures while the round aggregates the rest.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import json
+import types
 import warnings
 
+import gmpy2
 import numpy as np
 import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from fedsim.app.client import client_app
 from fedsim.app.runner import run_experiment
 from fedsim.app.server import Server
 from fedsim.components import FLOWER_MODS
 from fedsim.config import ConfigError
+from fedsim.crypto import keyexchange as kx
 from fedsim.crypto.paillier import (
     PaillierCodec,
     generate_keypair,
@@ -141,86 +148,170 @@ def test_transforms_that_need_plaintext_are_refused_under_paillier(small_cfg):
 
 
 # --------------------------------------------------------------------------------- secrets stay home
-def _values(obj, seen, out, depth=0):
-    """Every bytes/str/int/array payload reachable from ``obj`` (server-side objects)."""
-    if depth > 12 or id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, (bytes, bytearray)):
-        out.append(bytes(obj))
-    elif isinstance(obj, str):
-        out.append(obj.encode())
-    elif isinstance(obj, bool):
-        return
-    elif isinstance(obj, int):
-        out.append(obj)
-    elif isinstance(obj, np.ndarray):
-        out.append(obj.tobytes())
-    elif isinstance(obj, torch.Tensor):
-        out.append(obj.detach().cpu().numpy().tobytes())
-    elif isinstance(obj, dict) or hasattr(obj, "items") and callable(obj.items) and not isinstance(obj, type):
-        try:
-            for k, v in obj.items():
-                _values(k, seen, out, depth + 1)
-                _values(v, seen, out, depth + 1)
-        except Exception:  # noqa: BLE001
-            pass
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            _values(v, seen, out, depth + 1)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.split(".")[0] in (
-            "fedsim", "strategies", "attacks", "flwr", "phe"):
-        for v in vars(obj).values():
-            _values(v, seen, out, depth + 1)
-        for name in getattr(type(obj), "__slots__", ()):
-            if hasattr(obj, name):
-                _values(getattr(obj, name), seen, out, depth + 1)
+_OPAQUE_SECRETS = (X25519PrivateKey, AESGCM)  # C objects that hide key material from a walker
+
+
+class _Walk:
+    """Everything reachable from some roots, as searchable values: bytes (bytes, str, arrays, tensors,
+    X25519 public keys) and ints (gmpy2's mpz included). It follows containers, mappings and anything
+    with ``items()``, instance ``__dict__`` and ``__slots__`` of any module, bound methods' ``__self__``
+    and closures' cells; no depth limit (an explicit stack). It does not enter classes, modules or a
+    function's globals. Objects that could hide key material opaquely (an X25519 private key, an AESGCM
+    cipher) are collected in ``opaque``."""
+
+    def __init__(self, *roots):
+        self.seen: set[int] = set()
+        self.values: list = []
+        self.opaque: list = []
+        self._keep: list = []  # ids stay valid while the walk runs
+        for r in roots:
+            self._walk(r)
+
+    def _walk(self, root):
+        stack = [root]
+        while stack:
+            obj = stack.pop()
+            if id(obj) in self.seen or obj is None or isinstance(obj, (bool, float, complex, type, types.ModuleType)):
+                continue
+            self.seen.add(id(obj))
+            self._keep.append(obj)
+            if isinstance(obj, (bytes, bytearray, memoryview)):
+                self.values.append(bytes(obj))
+            elif isinstance(obj, str):
+                self.values.append(obj.encode())
+            elif isinstance(obj, (int, type(gmpy2.mpz(0)))):
+                self.values.append(int(obj))
+            elif isinstance(obj, np.ndarray):
+                self.values.append(obj.tobytes())
+                if obj.dtype == object:
+                    stack.extend(obj.ravel().tolist())
+            elif isinstance(obj, np.generic):
+                self.values.append(obj.tobytes())
+            elif isinstance(obj, torch.Tensor):
+                self.values.append(obj.detach().cpu().numpy().tobytes())
+            elif isinstance(obj, X25519PublicKey):
+                self.values.append(obj.public_bytes_raw())
+            elif isinstance(obj, _OPAQUE_SECRETS):
+                self.opaque.append(obj)
+            elif isinstance(obj, types.MethodType):
+                stack += [obj.__self__, obj.__func__]
+            elif isinstance(obj, types.FunctionType):
+                stack += [c.cell_contents for c in obj.__closure__ or () if c.cell_contents is not None]
+                stack += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+            elif isinstance(obj, functools.partial):
+                stack += [obj.func, *obj.args, *obj.keywords.values()]
+            else:
+                items = getattr(obj, "items", None)
+                if callable(items):
+                    try:
+                        for k, v in list(items()):
+                            stack += [k, v]
+                    except Exception:  # noqa: BLE001 - an items() that needs arguments is not a mapping
+                        pass
+                elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+                    stack.extend(obj)
+                if hasattr(obj, "__dict__"):
+                    stack.extend(vars(obj).values())
+                for klass in type(obj).__mro__:
+                    for name in getattr(klass, "__slots__", ()):
+                        if isinstance(name, str) and hasattr(obj, name):
+                            stack.append(getattr(obj, name))
 
 
 def _message_values(messages):
-    out = []
-    for m in messages:
-        if m.has_content():
-            _values(m.content, set(), out)
-    return out
+    return _Walk(*[m.content for m in messages if m.has_content()])
+
+
+def test_the_secret_search_reaches_every_kind_of_place():
+    """The walker itself: values hidden in an mpz, a closure, a bound method, __slots__, a deque, a
+    foreign module's object and 30 levels down are all found; an opaque key object is reported."""
+    secret = 2**200 + 12345
+
+    class Slotted:
+        __slots__ = ("x",)
+
+        def __init__(self, x):
+            self.x = x
+
+    def closure(v):
+        return lambda: v
+
+    deep = {"v": gmpy2.mpz(secret)}
+    for _ in range(30):
+        deep = {"next": deep}
+    roots = [deep, closure(b"in-a-closure"), Slotted(b"in-slots"), collections.deque([b"in-a-deque"]),
+             types.SimpleNamespace(x=b"in-a-namespace"), closure(Slotted(None)).__call__,
+             X25519PrivateKey.generate()]
+    walk = _Walk(roots)
+    assert secret in walk.values
+    for b in (b"in-a-closure", b"in-slots", b"in-a-deque", b"in-a-namespace"):
+        assert b in walk.values
+    assert len(walk.opaque) == 1
 
 
 def test_no_message_and_no_server_object_holds_the_private_key_or_a_shared_secret(small_cfg, recorder):
     cfg = small_cfg(*TABULAR, "federation.rounds=2", *paillier())
     grid, server, state, _ = _run_inprocess(cfg, [recorder])
+    n_clients = cfg["federation"]["num_clients"]
     st0 = _client_state(grid, 0)
     public = public_key_from_bytes(st0["paillier-public"])
     private = private_key_from_bytes(st0["paillier-private"], public)
-    p, q = int(private.p), int(private.q)
-    secrets_ = [p.to_bytes((p.bit_length() + 7) // 8, "big"), q.to_bytes((q.bit_length() + 7) // 8, "big"),
-                str(p).encode(), str(q).encode(), private_key_to_bytes(private)]
-    shared = []
+    # every integer of the private key (p, q and what phe derives from them), in every encoding
+    secret_ints = [int(v) for k, v in vars(private).items() if k != "public_key"]
+    assert int(private.p) in secret_ints and int(private.q) in secret_ints and len(secret_ints) >= 7
+    secrets_ = [private_key_to_bytes(private), st0["x25519-private"]]
+    for v in secret_ints:
+        be = v.to_bytes((v.bit_length() + 7) // 8, "big")
+        secrets_ += [be, be[::-1], str(v).encode(), format(v, "x").encode()]
+    # the X25519 shared secrets and the HKDF-derived AES keys of every delivery (holder: client 0)
     holder = X25519PrivateKey.from_private_bytes(st0["x25519-private"])
-    for part in range(1, cfg["federation"]["num_clients"]):
-        peer = X25519PrivateKey.from_private_bytes(_client_state(grid, part)["x25519-private"])
-        secret = holder.exchange(X25519PublicKey.from_public_bytes(
-            peer.public_key().public_bytes_raw()))
-        shared.append(secret)
-        assert _client_state(grid, part)["paillier-private"] == st0["paillier-private"]  # delivered
-    blobs = _message_values(grid.messages_sent) + _message_values(grid.replies_seen)
-    server_side = []
-    _values(server, set(), server_side)
-    _values(recorder.updates, set(), server_side)
-    assert len(blobs) > 50 and len(server_side) > 50
-    for haystack, where in ((blobs, "messages"), (server_side, "server objects")):
-        for item in haystack:
-            if isinstance(item, int):
-                assert item not in (p, q), where
-                continue
-            for s in secrets_ + shared + [st0["x25519-private"]]:
-                assert s not in item, f"a secret in {where}"
+    run = server.engine.channel.run_tag
+    for part in range(1, n_clients):
+        st = _client_state(grid, part)
+        assert st["paillier-private"] == st0["paillier-private"]  # delivered
+        secrets_.append(st["x25519-private"])
+        peer = X25519PrivateKey.from_private_bytes(st["x25519-private"]).public_key().public_bytes_raw()
+        secrets_.append(holder.exchange(X25519PublicKey.from_public_bytes(peer)))
+        info = kx.context(run, "client-0", f"client-{part}", kx.public_bytes(holder), peer)
+        aes = kx.derive_key(holder, peer, info)
+        secrets_.append(aes)
+        # the key the test derived is the one that sealed the box the server relayed
+        boxes = [b for b in _message_values(grid.messages_sent).values if isinstance(b, bytes)
+                 and b.startswith(b"FSK1")]
+        assert any(_opens(b, aes, info) for b in boxes)
+    msgs = _message_values(grid.messages_sent)
+    replies = _message_values(grid.replies_seen)
+    server_side = _Walk(server, recorder.updates, state)
+    # floors, so that a broken walker cannot pass vacuously (measured with 4 clients and 2 rounds: 65 and
+    # 49 values in messages and replies; server-side 381 objects, 192 values; 39 secret strings)
+    assert len(msgs.values) > 50 and len(replies.values) > 40
+    assert len(server_side.seen) > 300 and len(server_side.values) > 150 and len(secrets_) >= 39
+    # ... and positive controls: the walk reaches the public key's n, the ciphertext global model
+    # and the client payloads the server combined
+    assert int(public.n) in server_side.values and state.payload in server_side.values
+    assert all(u.payload in server_side.values for u in recorder.updates)
+    for walk, where in ((msgs, "messages"), (replies, "replies"), (server_side, "server objects")):
+        assert not walk.opaque, f"an opaque key object in {where}: {walk.opaque}"
+        ints = {v for v in walk.values if isinstance(v, int)}
+        assert not ints & set(secret_ints), where
+        for item in walk.values:
+            if isinstance(item, bytes):
+                for s in secrets_:
+                    assert s not in item, f"a secret in {where}"
     # positive control: the same search finds the key where it does live, in a client's Flower state
-    client_side = []
-    _values(next(iter(grid.contexts.values())).state, set(), client_side)
-    assert any(private_key_to_bytes(private) in b for b in client_side if isinstance(b, bytes))
+    client_side = _Walk(next(iter(grid.contexts.values())).state)
+    assert any(private_key_to_bytes(private) in b for b in client_side.values if isinstance(b, bytes))
     # ... while the public key and ciphertexts did travel
-    assert any(int(public.n).to_bytes((int(public.n).bit_length() + 7) // 8, "big") in b
-               for b in blobs if isinstance(b, bytes))
+    n_bytes = int(public.n).to_bytes((int(public.n).bit_length() + 7) // 8, "big")
+    assert any(n_bytes in b for b in msgs.values + replies.values if isinstance(b, bytes))
+
+
+def _opens(box, key, info):
+    try:
+        AESGCM(key).decrypt(box[4:16], box[16:], info)
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def test_observers_get_ciphertexts_and_the_curious_server_attacks_nothing(small_cfg, recorder, tmp_path):

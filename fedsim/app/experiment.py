@@ -66,12 +66,13 @@ def publish(run_dir: Path, dest_root: Path, name: str, argv: Sequence[str]) -> P
     """Copy the experiment's report and figures to ``dest_root/name/`` with command, date and commit
     and rewrite ``dest_root/README.md``."""
     dest = dest_root / name
+    commit = _commit()  # before the old files go: removing tracked files would read as "+local changes"
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.iterdir():
         if old.is_file():
             old.unlink()
     stamp = (f"> Command: `{shlex.join(['fedsim', *argv])}`  \n> Date: "
-             f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}  \n> Commit: {_commit()}  \n"
+             f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}  \n> Commit: {commit}  \n"
              f"> Run folder (not in the repo): `{run_dir}`\n\n")
     text = (run_dir / "report.md").read_text()
     title, _, rest = text.partition("\n")
@@ -82,7 +83,7 @@ def publish(run_dir: Path, dest_root: Path, name: str, argv: Sequence[str]) -> P
     for png in run_dir.glob("*.png"):
         shutil.copy2(png, dest / png.name)
     meta = {"name": name, "title": title.lstrip("# ").strip(), "command": shlex.join(["fedsim", *argv]),
-            "date": _dt.date.today().isoformat(), "commit": _commit()}
+            "date": _dt.date.today().isoformat(), "commit": commit}
     atomic_write_text(dest / "meta.json", json.dumps(meta, indent=1))
     write_results_index(dest_root)
     return dest

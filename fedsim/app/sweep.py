@@ -144,7 +144,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
                 raise ConfigError(f"variants[{i}].{k} must be a string, got {v[k]!r}")
         labels.append(label)
         meta[label] = {"row": v.get("row", label), "col": v.get("col"), "family": v.get("family")}
-    report_spec = check_report(report, f"{p}: report")
+    report_spec = check_report(report, f"{p}: report", base=str(p.parent))
     claims = check_claims(experiment.get("claims"), labels, f"{p}: experiment.claims")
     pre: list[str] = []
     if quick:
@@ -345,10 +345,10 @@ def experiment_sections(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple
         systematic_markdown,
     )
 
-    if not (spec.report["tables"] or spec.report["systematic"] or spec.claims):
+    if not (spec.report["tables"] or spec.report["systematic"] or spec.claims or spec.report.get("figures")):
         return []
     rows = experiment_rows(spec, variants, run_dirs)
-    text = []
+    text = experiment_figures(out_dir, spec, variants)
     for t in spec.report["tables"]:
         text += [f"## {t['title']}\n", paper_table(rows, t), ""]
         if t.get("note"):
@@ -366,6 +366,28 @@ def experiment_sections(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple
         results = evaluate_claims(spec.claims, rows, result, sys_spec)
         text += [claims_markdown(results), ""]
         atomic_write_text(out_dir / "claims.json", json.dumps(results, indent=1))
+    return text
+
+
+def experiment_figures(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple[str, dict]]) -> list[str]:
+    """``[[report.figures]]``: call each figure's ``draw(out_dir, configs)``; a section per figure drawn."""
+    from fedsim.components import resolve_reference
+
+    configs = {label: cfg for label, cfg in variants}
+    text = []
+    for fig in spec.report.get("figures", []):
+        try:
+            path = resolve_reference(fig["draw"], "report.figures.draw")(out_dir, configs)
+        except Exception as exc:  # noqa: BLE001 - a figure that fails is noted, the report is still written
+            text += [f"## {fig['title']}\n", f"Not drawn: {type(exc).__name__}: {exc}".splitlines()[0][:300], ""]
+            continue
+        if path is None:
+            continue
+        try:
+            rel = Path(path).resolve().relative_to(out_dir.resolve()).as_posix()
+        except ValueError:  # drawn outside the sweep folder: link it where it is
+            rel = Path(path).resolve().as_posix()
+        text += [f"## {fig['title']}\n", f"![{fig['title']}]({rel})\n"]
     return text
 
 
