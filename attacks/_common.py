@@ -89,13 +89,30 @@ def check_layer_weights(key: str, value: Any) -> Any:
 
 # ---------------------------------------------------------------- initialisation
 def init_dummy(kind: str, shape: Sequence[int], gen: torch.Generator, pattern: int = 2) -> torch.Tensor:
-    """Dummy data of ``shape`` (B, C, H, W), drawn on the CPU from ``gen``.
+    """Dummy data of ``shape`` (B, C, H, W) for images or (B, F) for records, drawn on the CPU from ``gen``.
 
     ``random`` U(0, 1); ``randn`` N(0, 1) (DLG's original ``torch.randn``); ``patterned`` (CPL) a
     random U(0, 1) tile of ``ceil(H/pattern) x ceil(W/pattern)`` repeated ``pattern x pattern`` times
     (``pattern=2``: the tile is a quarter of the image, the example of seed 001); ``dark`` all 0;
     ``light`` all 1; ``R``/``G``/``B`` that colour channel 1 and the others 0 (3 channels only).
+
+    Records (seed 001 Table 3) get the same draws per feature. ``patterned`` there is the literal 1-D
+    reading: a random tile of ``ceil(F/pattern)`` features repeated ``pattern`` times along the feature
+    axis (features have no neighbourhood, so the tile is only a start with fewer free values, not an
+    image prior); on standardised features ``dark`` (all 0) is the mean record. ``R``/``G``/``B`` need
+    colour images.
     """
+    if len(shape) == 2:  # records
+        B, F = (int(s) for s in shape)
+        if kind in ("random", "randn", "dark", "light"):
+            return init_dummy(kind, (B, 1, 1, F), gen, pattern).reshape(B, F)
+        if kind == "patterned":
+            tile = torch.rand((B, math.ceil(F / pattern)), generator=gen)
+            return tile.repeat(1, pattern)[:, :F].contiguous()
+        if kind in ("R", "G", "B"):
+            raise ValueError(f"attack.init={kind!r} is a colour initialisation and needs colour images; "
+                             f"the data are records of {F} features")
+        raise ValueError(f"attack.init must be one of {list(INITS)}, got {kind!r}")
     B, C, H, W = (int(s) for s in shape)
     if kind == "random":
         return torch.rand((B, C, H, W), generator=gen)
@@ -117,6 +134,11 @@ def init_dummy(kind: str, shape: Sequence[int], gen: torch.Generator, pattern: i
         x[:, "RGB".index(kind)] = 1.0
         return x
     raise ValueError(f"attack.init must be one of {list(INITS)}, got {kind!r}")
+
+
+def clamp_to(x: torch.Tensor, bounds: tuple[float, float] | None) -> torch.Tensor:
+    """``x`` clamped to the attacker's value box (:attr:`attacks.base.AttackInput.bounds`; None: as is)."""
+    return x if bounds is None else x.clamp(bounds[0], bounds[1])
 
 
 # ---------------------------------------------------------------- target gradients
@@ -328,15 +350,16 @@ class RestartLog:
         return x, labels, trace
 
 
-def finish(x: torch.Tensor, labels: torch.Tensor, trace: dict[str, Any], t0: float) -> AttackResult:
+def finish(x: torch.Tensor, labels: torch.Tensor, trace: dict[str, Any], t0: float,
+           bounds: tuple[float, float] | None = (0.0, 1.0)) -> AttackResult:
     trace = dict(trace)
     trace["seconds"] = time.perf_counter() - t0
     trace.setdefault("converged_at", None)
-    return AttackResult(x.detach().clamp(0, 1).cpu().float(), labels.detach().cpu().to(torch.int64), trace)
+    return AttackResult(clamp_to(x.detach(), bounds).cpu().float(), labels.detach().cpu().to(torch.int64), trace)
 
 
 def finish_group(xs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], traces: Sequence[dict[str, Any]],
-                 t0: float) -> list[AttackResult]:
+                 t0: float, bounds: tuple[float, float] | None = (0.0, 1.0)) -> list[AttackResult]:
     """:func:`finish` for a stacked group: each trace gets the group's wall time divided by its size."""
     per = (time.perf_counter() - t0) / max(1, len(xs))
     out = []
@@ -345,5 +368,5 @@ def finish_group(xs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], tra
         tr["seconds"] = per
         tr["group_size"] = len(xs)
         tr.setdefault("converged_at", None)
-        out.append(AttackResult(x.detach().clamp(0, 1).cpu().float(), y.detach().cpu().to(torch.int64), tr))
+        out.append(AttackResult(clamp_to(x.detach(), bounds).cpu().float(), y.detach().cpu().to(torch.int64), tr))
     return out

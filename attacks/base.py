@@ -25,7 +25,7 @@ class AttackInput:
     global_state: Mapping[str, torch.Tensor]  # the weights it sent this client (state_dict)
     update: Mapping[str, torch.Tensor]  # returned weights - global weights (same keys)
     recipe: Mapping[str, Any]  # lr, batch_size, local_steps or local_epochs (the configured recipe)
-    input_shape: Sequence[int]  # (C, H, W)
+    input_shape: Sequence[int]  # (C, H, W) for images, (F,) for records (tabular data)
     num_classes: int
     num_examples: int  # as reported by the client (examples per round)
     known_labels: torch.Tensor | None = None  # only for threat models that grant labels
@@ -34,11 +34,19 @@ class AttackInput:
     bn_stats: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     device: torch.device = torch.device("cpu")
     seed: int = 0  # the attacker's own randomness (initialisation)
+    # the value box the attacker assumes for the inputs: images are in [0, 1]; records (standardised
+    # features, unbounded) have none (None: reconstructions are not clamped)
+    bounds: tuple[float, float] | None = (0.0, 1.0)
 
     def global_model(self) -> nn.Module:
         m = self.model_fn()
         m.load_state_dict({k: v.clone() for k, v in self.global_state.items()})
         return m.to(self.device)
+
+    @property
+    def records(self) -> bool:
+        """Whether the inputs are records (one feature vector each) rather than images (C, H, W)."""
+        return len(self.input_shape) != 3
 
     @property
     def batch_size(self) -> int:
@@ -48,7 +56,7 @@ class AttackInput:
 
 @dataclass
 class AttackResult:
-    inputs: torch.Tensor  # (B, C, H, W), values in the data range [0, 1]
+    inputs: torch.Tensor  # (B, C, H, W) images in [0, 1], or (B, F) records (AttackInput.bounds)
     labels: torch.Tensor  # (B,) int64
     trace: dict[str, Any] = field(default_factory=dict)  # loss (list), iterations, seconds, converged_at, ...
 
@@ -57,6 +65,9 @@ class Attack:
     """Base class. Subclasses set ``name`` and take their hyper-parameters as keyword arguments."""
 
     name: ClassVar[str] = ""
+    # whether the attack reconstructs records (tabular data, inputs (F,)) as well as images; the
+    # curious server refuses an attack that does not on such data, before the run trains
+    supports_records: ClassVar[bool] = False
 
     def run(self, inp: AttackInput) -> AttackResult:  # pragma: no cover - interface
         raise NotImplementedError

@@ -51,7 +51,8 @@ def _same_state(a: AttackInput, b: AttackInput) -> bool:
 
 def _compatible(a: AttackInput, b: AttackInput) -> bool:
     return (tuple(a.input_shape) == tuple(b.input_shape) and a.num_classes == b.num_classes
-            and a.batch_size == b.batch_size and torch.device(a.device) == torch.device(b.device)
+            and a.batch_size == b.batch_size and a.bounds == b.bounds
+            and torch.device(a.device) == torch.device(b.device)
             and dict(a.recipe) == dict(b.recipe) and int(a.num_examples) == int(b.num_examples)
             and _same_state(a, b))
 

@@ -9,7 +9,12 @@ Scoring (the only place that sees truth) re-creates the victim's local batches w
 from the client: the client's batch order is a pure function of (seed, round, client)
 (``fedsim.training.batch_schedule``) and its partition a pure function of the config, so the
 scorer recomputes exactly which samples the victim trained on. Reconstructions are matched to those
-samples by optimal assignment before PSNR/SSIM/MSE/label accuracy are computed.
+samples by optimal assignment before PSNR/SSIM/MSE/label accuracy are computed. Records (tabular data,
+inputs ``(F,)``, e.g. ``breast-cancer``; seed 001 Table 3) are scored by :func:`fedsim.metrics.score_records`:
+MSE on the standardised features, content success ``MSE <= mse_threshold``, label accuracy (no SSIM or
+PSNR: image measures); the attacker assumes no [0, 1] box for them (``AttackInput.bounds``), the
+reconstruction figure is a heat map of records, and only the attacks that reconstruct records
+(``supports_records``: dlg, idlg, cpl, ig) may be configured (checked when the run starts).
 
 Under secure aggregation (SecAgg+) the server sees only the round's aggregate of k clients (an update
 of kind ``"aggregate"`` with its ``contributors``): it attacks it as one large batch (seed 004 §3.3) of
@@ -27,6 +32,7 @@ Config (``[attack]``)::
     device = "auto"
     ssim_threshold = 0.5         # content success (ASR_c) needs SSIM >= this ...
     psnr_threshold = 20.0        # ... and PSNR >= this, when set (default: not used)
+    mse_threshold = 0.005        # records: content success needs MSE <= this (fedsim.metrics.records)
     max_truth = 64               # most samples considered as truth for multi-step updates
     compensate = false           # seed 000 §V-C abuse: apply global update compensation to the single
     compensate_Q = 6.0           #   victim's update (noise variance from its reply, or compensate_noise_variance)
@@ -48,7 +54,9 @@ from scipy.optimize import linear_sum_assignment
 from attacks.base import AttackInput
 from fedsim import progress
 from fedsim.components import ATTACKS, KNOWLEDGE, OBSERVERS
+from fedsim.config import attack_data_problem
 from fedsim.factories import client_data, dataset_for, model_for
+from fedsim.metrics.records import MSE_THRESHOLD
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.protocol import BATCH_SIZE, NOISE_VARIANCE
 from fedsim.training import Recipe, derive_seed, iter_batches, resolve_device
@@ -64,6 +72,12 @@ def select_truth(recon: torch.Tensor, truth_x: torch.Tensor, truth_y: torch.Tens
     return truth_x[idx], truth_y[idx]
 
 
+def _mean(rows: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """Mean of ``key`` over the rows that have it; None where none has (SSIM/PSNR of records)."""
+    vals = [r[key] for r in rows if r.get(key) is not None]
+    return float(np.mean(vals)) if vals else None
+
+
 @OBSERVERS.register
 class CuriousServer(Observer):
     """Runs the configured attacks on intercepted updates and records leakage metrics."""
@@ -73,7 +87,7 @@ class CuriousServer(Observer):
     def __init__(self, *, cfg: Mapping[str, Any], name: str | list[str] = "dlg", rounds: str | list[int] | None = None,
                  every: int = 0, victims: str | int | list[int] = "sampled", seed: int = 0, device: str = "auto",
                  psnr_threshold: float | None = None, ssim_threshold: float = 0.5, max_truth: int = 64,
-                 max_images: int = 8, compensate: bool = False, compensate_Q: float = 6.0,
+                 max_images: int = 8, mse_threshold: float = MSE_THRESHOLD, compensate: bool = False, compensate_Q: float = 6.0,
                  compensate_noise_variance: float | None = None, params: Mapping[str, Any] | None = None,
                  knowledge: list[Any] | None = None, stack: int = 16, enabled: bool = True):
         self.cfg = cfg
@@ -124,6 +138,10 @@ class CuriousServer(Observer):
         self.device = resolve_device(device)
         self.psnr_threshold = float(psnr_threshold) if psnr_threshold is not None else None
         self.ssim_threshold = float(ssim_threshold)
+        if isinstance(mse_threshold, bool) or not isinstance(mse_threshold, (int, float)) or not mse_threshold > 0:
+            raise ValueError(f"attack.mse_threshold must be a number > 0, got {mse_threshold!r}")
+        self.mse_threshold = float(mse_threshold)
+        self._is_records: bool | None = None  # set from the dataset when first needed
         self.max_truth, self.max_images = int(max_truth), int(max_images)
         self.stack = int(stack)  # victims of a round attacked as one stacked optimisation (1: one by one)
         self.compensate, self.compensate_Q = bool(compensate), float(compensate_Q)
@@ -157,6 +175,16 @@ class CuriousServer(Observer):
     # ---- Observer API ---------------------------------------------------------------------------
     def on_start(self, out_dir: Path | None) -> None:
         self.out = out_dir
+        problem = attack_data_problem(self.cfg, dataset_for(self.cfg).in_shape)
+        if problem:  # before any training (check_data reports it before the run starts)
+            raise ValueError(problem)
+
+    @property
+    def records(self) -> bool:
+        """Whether the data are records (tabular, inputs (F,)) rather than images (C, H, W)."""
+        if self._is_records is None:
+            self._is_records = len(dataset_for(self.cfg).in_shape) != 3
+        return self._is_records
 
     def _attacks_aggregate(self, update: ClientUpdate) -> bool:
         """An aggregate is attacked when every contributor may be a victim, or a chosen victim is one."""
@@ -263,7 +291,8 @@ class CuriousServer(Observer):
         inp = AttackInput(model_fn=lambda: model_for(self.cfg), global_state=glob, update=upd,
                           recipe=recipe, input_shape=ds.in_shape, num_classes=ds.num_classes,
                           num_examples=update.num_examples, device=self.device,
-                          seed=self.seed * 1000003 + update.round * 1009 + update.client_id)
+                          seed=self.seed * 1000003 + update.round * 1009 + update.client_id,
+                          bounds=None if len(ds.in_shape) != 3 else (0.0, 1.0))
         for k in self.knowledge:  # threat-model ablations: what the attacker is granted beyond the update
             inp = k.grant(inp, update)
         return inp
@@ -320,13 +349,19 @@ class CuriousServer(Observer):
                 for u, r in zip(updates, results)]
 
     def _score(self, update: ClientUpdate, name: str, result: Any, seconds: float) -> dict[str, Any]:
-        from fedsim.metrics import score_reconstruction
+        from fedsim.metrics import score_reconstruction, score_records
 
-        rx, ry = result.inputs.detach().cpu().clamp(0, 1), result.labels.detach().cpu()
+        rx, ry = result.inputs.detach().cpu(), result.labels.detach().cpu()
         tx, ty = self.ground_truth(update)
-        tx, ty = select_truth(rx, tx, ty)
-        score = score_reconstruction(rx, ry, tx, ty, psnr_threshold=self.psnr_threshold,
-                                     ssim_threshold=self.ssim_threshold)
+        if self.records:  # standardised features: no [0, 1] box, MSE threshold instead of SSIM
+            rx = rx.float()
+            tx, ty = select_truth(rx, tx, ty)
+            score = score_records(rx, ry, tx, ty, mse_threshold=self.mse_threshold)
+        else:
+            rx = rx.clamp(0, 1)
+            tx, ty = select_truth(rx, tx, ty)
+            score = score_reconstruction(rx, ry, tx, ty, psnr_threshold=self.psnr_threshold,
+                                         ssim_threshold=self.ssim_threshold)
         matched = rx[torch.as_tensor(score["assignment"])]
         who = f"agg{len(update.contributors)}" if update.kind == "aggregate" else f"c{update.client_id}"
         self._images[f"{name}-r{update.round}-{who}"] = (tx, matched)
@@ -342,9 +377,9 @@ class CuriousServer(Observer):
             row["contributors"] = list(update.contributors)
         if self.knowledge:
             row["knowledge"] = ", ".join(k.label() for k in self.knowledge)
-        progress.say(f"attack {name}: client {update.client_id}, round {update.round}: PSNR {row['psnr']:.2f} dB  "
-                     f"SSIM {row['ssim']:.3f}  label acc {row['label_acc']:.2f}  {row['iterations']} it  "
-                     f"{seconds:.1f}s")
+        quality = (f"MSE {row['mse']:.3g}" if self.records else f"PSNR {row['psnr']:.2f} dB  SSIM {row['ssim']:.3f}")
+        progress.say(f"attack {name}: client {update.client_id}, round {update.round}: {quality}  "
+                     f"label acc {row['label_acc']:.2f}  {row['iterations']} it  {seconds:.1f}s")
         return row
 
     # ---- outputs ------------------------------------------------------------------------------------
@@ -355,10 +390,12 @@ class CuriousServer(Observer):
             if not rs:
                 continue
             conv = [r["converged_at"] + 1 for r in rs if r.get("converged_at") is not None]
+
             out.append({"attack": name, "attacks_run": len(rs),
-                        **{k: float(np.mean([r[k] for r in rs if r[k] is not None]))
-                           for k in ("psnr", "ssim", "mse", "label_acc", "success_content", "success_label",
-                                     "iterations", "seconds")},
+                        **{k: _mean(rs, k) for k in ("psnr", "ssim", "mse", "label_acc", "success_content", "success_label",
+                                                "iterations", "seconds")},
+                        # the columns a comparison table shows (fedsim.comparison.run_row)
+                        **({"columns": ["mse", "label_acc", "success_content"]} if self.records else {}),
                         # seed 001's "attack iterations": iterations until the gradient distance fell below the
                         # attack's threshold, over the attacks that got there (share: ``converged``)
                         "converged_iterations": float(np.mean(conv)) if conv else None,
@@ -388,6 +425,9 @@ class CuriousServer(Observer):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        if self.records:
+            self._write_record_maps(plt, save_figure)
+            return
         for name in self.names:
             keys = [k for k in self._images if k.startswith(name + "-")]
             if not keys:
@@ -413,13 +453,44 @@ class CuriousServer(Observer):
             save_figure(fig, self.out / f"reconstruction_{name}.png")
             plt.close(fig)
 
+    def _write_record_maps(self, plt: Any, save_figure: Any) -> None:
+        """Records: per attack a heat map of up to ``max_images`` true records (rows 'truth') above their
+        matched reconstructions, one column per standardised feature (colour clipped at +-3)."""
+        for name in self.names:
+            keys = [k for k in self._images if k.startswith(name + "-")]
+            if not keys:
+                continue
+            rows, labels = [], []
+            for k in keys:
+                tx, rx = self._images[k]
+                for i in range(len(rx)):
+                    if len(rows) >= 2 * self.max_images:
+                        break
+                    rows += [tx[i].flatten().numpy(), rx[i].flatten().numpy()]
+                    labels += [f"{k.split('-', 1)[1]} truth", f"{name}"]
+            fig, ax = plt.subplots(figsize=(min(2 + 0.22 * len(rows[0]), 12), 0.9 + 0.28 * len(rows)))
+            im = ax.imshow(np.stack(rows), cmap="coolwarm", vmin=-3, vmax=3, aspect="auto", interpolation="nearest")
+            ax.set_yticks(range(len(rows)), labels, fontsize=6)
+            ax.set_xlabel("feature (standardised)", fontsize=7)
+            ax.tick_params(axis="x", labelsize=6)
+            fig.colorbar(im, ax=ax, fraction=0.03)
+            ax.set_title(f"{name}: true records and their reconstructions", fontsize=8)
+            save_figure(fig, self.out / f"reconstruction_{name}.png")
+            plt.close(fig)
+
+    def _metric(self) -> str:
+        """The leakage measure the plots show: SSIM for images, MSE for records."""
+        return "mse" if self.records else "ssim"
+
     def plot_series(self) -> dict[str, tuple[list[int], list[float], list[float]]]:
-        """What leakage.png plots, per attack: attacked rounds, mean SSIM per round, mean accuracy per round."""
+        """What leakage.png plots, per attack: attacked rounds, mean SSIM (records: MSE) per round, mean
+        accuracy per round."""
         out = {}
+        metric = self._metric()
         for name in self.names:
             rs = [r for r in self.rows if r["attack"] == name]
             rounds = sorted({r["round"] for r in rs})
-            ssim = [float(np.mean([r["ssim"] for r in rs if r["round"] == k])) for k in rounds]
+            ssim = [float(np.mean([r[metric] for r in rs if r["round"] == k])) for k in rounds]
             acc = [float(np.mean([r["accuracy"] for r in rs if r["round"] == k and r.get("accuracy") is not None]
                                  or [np.nan])) for k in rounds]
             out[name] = (rounds, ssim, acc)
@@ -440,37 +511,48 @@ class CuriousServer(Observer):
         for name, (rounds, ssim, acc) in self.plot_series().items():
             a1.plot(rounds, ssim, marker="o", label=name)
             a2.plot(acc, ssim, marker="o", label=name)
+        what = "MSE of reconstruction (standardised)" if self.records else "SSIM of reconstruction"
         a1.set_xlabel("round")
-        a1.set_ylabel("SSIM of reconstruction")
+        a1.set_ylabel(what)
         a2.set_xlabel("global test accuracy")
-        a2.set_ylabel("SSIM of reconstruction")
+        a2.set_ylabel(what)
         for a in (a1, a2):
-            a.set_ylim(-0.1, 1.05)
+            if self.records:
+                a.set_yscale("log")
+            else:
+                a.set_ylim(-0.1, 1.05)
             a.grid(alpha=0.3)
             a.legend(fontsize=8)
         save_figure(fig, self.out / "leakage.png")
         plt.close(fig)
 
     def _write_single_round_plot(self, plt: Any, save_figure: Any) -> None:
-        """One attacked round: SSIM and PSNR of every (attack, victim) as bars, with the mean per attack."""
+        """One attacked round: SSIM and PSNR (records: MSE and label accuracy) of every (attack, victim) as
+        bars, with the mean per attack."""
         rnd = self.rows[0]["round"]
+        keys = (("mse", "MSE of reconstruction (standardised)"), ("label_acc", "label accuracy")) if self.records \
+            else (("ssim", "SSIM of reconstruction"), ("psnr", "PSNR (dB)"))
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
         width = min(0.8 / max(len(self.names), 1), 0.35)
         victims = sorted({r["client"] for r in self.rows})
         for j, name in enumerate(self.names):
             rs = {r["client"]: r for r in self.rows if r["attack"] == name}
             xs = [i + j * width for i in range(len(victims))]
-            for ax, key in ((a1, "ssim"), (a2, "psnr")):
+            for ax, (key, _) in zip((a1, a2), keys):
                 vals = [rs[v][key] if v in rs and rs[v][key] is not None else np.nan for v in victims]
                 mean = np.nanmean(vals) if np.isfinite(vals).any() else np.nan
                 ax.bar(xs, vals, width, label=f"{name} (mean {mean:.3g})")
-        for ax, key in ((a1, "SSIM of reconstruction"), (a2, "PSNR (dB)")):
+        for ax, (_, key) in zip((a1, a2), keys):
             ax.set_xticks([i + 0.4 - width / 2 for i in range(len(victims))], [f"client {v}" for v in victims],
                           fontsize=7)
             ax.set_ylabel(key)
             ax.grid(alpha=0.3, axis="y")
             ax.legend(fontsize=7)
-        a1.set_ylim(-0.1, 1.05)
+        if self.records:
+            a1.set_yscale("log")
+            a2.set_ylim(-0.05, 1.05)
+        else:
+            a1.set_ylim(-0.1, 1.05)
         acc = self.rows[0].get("accuracy")
         fig.suptitle(f"leakage of round {rnd}" + (f" (global accuracy after it: {acc:.3f})" if acc is not None else ""),
                      fontsize=9)
@@ -484,12 +566,16 @@ class CuriousServer(Observer):
             head = [f"The curious server {self.unreadable_note()}.\n"] if self.unreadable else []
             head += [f"- {w}" for w in self.warnings]
             return "\n".join(["## Gradient leakage (curious server)\n", *head, ""]) if head else ""
+        quality = ["mse"] if self.records else ["psnr", "ssim", "mse"]  # records: no SSIM/PSNR (image measures)
         text = ["## Gradient leakage (curious server)\n",
                 f"Attacks {', '.join(self.names)} on rounds {self.rounds if not self.every else f'every {self.every}'}"
                 f", victims {self.victims}. Reconstructions are matched to the victim's samples by optimal "
-                f"assignment; content success (ASR_c) = share of images with SSIM >= {self.ssim_threshold}"
-                f"{f' and PSNR >= {self.psnr_threshold} dB' if self.psnr_threshold is not None else ''}; "
-                f"label success (ASR_l) = share of labels recovered."
+                + (f"assignment; the data are records (tabular): MSE over the standardised features, content success "
+                   f"(ASR_c) = share of records with MSE <= {self.mse_threshold:g} (fedsim.metrics.records); SSIM and "
+                   f"PSNR are image measures, not reported; " if self.records else
+                   f"assignment; content success (ASR_c) = share of images with SSIM >= {self.ssim_threshold}"
+                   f"{f' and PSNR >= {self.psnr_threshold} dB' if self.psnr_threshold is not None else ''}; ")
+                + "label success (ASR_l) = share of labels recovered."
                 + (f" Attacker knowledge beyond the update (threat-model ablation): "
                    f"{', '.join(k.label() for k in self.knowledge)}." if self.knowledge else "") + "\n",
                 *([f"Secure aggregation: {self.aggregate_note()}.\n"] if self.aggregate_note() else []),
@@ -498,13 +584,13 @@ class CuriousServer(Observer):
                    "block, Robbing the Fed) - not the honest-but-curious server of the other attacks.\n"]
                   if any(r.get("threat_model") == "malicious" for r in self.rows) else []),
                 "### Per attack (mean over attacked updates)\n",
-                md_table(self.summary_rows(), ["attack", "attacks_run", "psnr", "ssim", "mse", "label_acc",
+                md_table(self.summary_rows(), ["attack", "attacks_run", *quality, "label_acc",
                                                "success_content", "success_label", "iterations", "seconds"],
                          {"psnr": ".2f", "ssim": ".3f", "mse": ".4g", "label_acc": ".2f", "seconds": ".2f",
                           "iterations": ".0f", "success_content": ".2f", "success_label": ".2f"}),
                 "### Per round and victim\n",
                 md_table(self.rows, ["round", "client", *(["aggregate_of"] if self.aggregate_note() else []), "attack",
-                                     "batch_size", "psnr", "ssim", "mse", "label_acc", "iterations", "seconds",
+                                     "batch_size", *quality, "label_acc", "iterations", "seconds",
                                      "accuracy"],
                          {"psnr": ".2f", "ssim": ".3f", "label_acc": ".2f", "seconds": ".2f", "accuracy": ".4f"}),
                 "![leakage](leakage.png)\n"]

@@ -43,7 +43,8 @@ class DLG(Attack):
       all its attempts;
     * ``labels`` (``"joint"``): ``joint`` optimises soft dummy labels with the data (DLG), ``idlg``
       infers them from the gradient (iDLG), ``known`` uses the threat model's known labels;
-    * ``init`` (``"random"``, U(0, 1)): see :func:`attacks._common.init_dummy`; ``pattern`` its tile count;
+    * ``init`` (``"random"``, U(0, 1)): see :func:`attacks._common.init_dummy` (images or records);
+      ``pattern`` its tile count;
     * ``muted``: ``fnmatch`` patterns of parameter names left out of the matching loss;
     * ``layer_weights``: optional per-layer weights of the distance;
     * ``history`` (100): L-BFGS history; ``line_search`` (None or ``"strong_wolfe"``; the line search
@@ -74,6 +75,7 @@ class DLG(Attack):
     """
 
     name = "dlg"
+    supports_records = True  # images (C, H, W) or records (F,): nothing here is image-shaped but init_dummy
     default_labels = "joint"
     default_init = "random"
     default_stop = False
@@ -113,7 +115,7 @@ class DLG(Attack):
             if log.done or log.spent >= self.iterations:
                 break
         x, labels, trace = log.result(labels_mode=self.labels)
-        return finish(x, labels, trace, t0)
+        return finish(x, labels, trace, t0, inp.bounds)
 
     # ---- several victims at once (attacks.batched) ----
     def batchable(self) -> bool:
@@ -136,7 +138,7 @@ class DLG(Attack):
             for v, res in zip(todo, self._attempt_group(inputs, st, y_fixed, attempt, todo, budgets)):
                 logs[v].add(*res)
         out = [log.result(labels_mode=self.labels) for log in logs]
-        return finish_group([o[0] for o in out], [o[1] for o in out], [o[2] for o in out], t0)
+        return finish_group([o[0] for o in out], [o[1] for o in out], [o[2] for o in out], t0, inputs[0].bounds)
 
     def _attempt_group(self, inputs: Sequence[AttackInput], st, y_fixed: list[torch.Tensor] | None, attempt: int,
                        todo: list[int], budgets: list[int]) -> list[tuple[torch.Tensor, torch.Tensor, dict]]:

@@ -32,6 +32,7 @@ from ._common import (
     check_layer_weights,
     check_patterns,
     choose_labels,
+    clamp_to,
     finish,
     finish_group,
     generator,
@@ -55,7 +56,9 @@ class InvertingGradients(Attack):
     * ``iterations`` (2000): Adam steps per restart; ``lr`` (0.1) the initial step size;
     * ``tv`` (3e-3): weight of the total-variation prior (images in [0, 1]). Measured on the sigmoid
       LeNet at batch 1 (10 fmnist-small test images, 2000 steps): SSIM >= 0.9 on 2/10 with 1e-2 (the
-      default before the strongest-attack study), 8/10 with 1e-3, 9/10 with 3e-3, 4/10 with 1e-4;
+      default before the strongest-attack study), 8/10 with 1e-3, 9/10 with 3e-3, 4/10 with 1e-4.
+      Records (tabular data, inputs (F,)) have no neighbouring features: the prior is not applied to
+      them (``trace["tv_applied"]`` says which), and nor is the [0, 1] box (``AttackInput.bounds``);
     * ``init`` (``"random"``): see :func:`attacks._common.init_dummy`; ``restarts`` (1): attempts from
       fresh starts, a new one only while none has reached ``threshold`` (the lowest final loss is kept);
     * ``layer_weights``: None (all layers equal), ``"linear"``, ``"exp"``, a list or a pattern mapping;
@@ -67,6 +70,7 @@ class InvertingGradients(Attack):
     """
 
     name = "ig"
+    supports_records = True  # on records: no TV prior, no box (AttackInput.bounds is None)
 
     def __init__(self, iterations: int = 2000, lr: float = 0.1, tv: float = 3e-3, init: str = "random",
                  pattern: int = 2, restarts: int = 1, layer_weights: Any = None,
@@ -97,12 +101,16 @@ class InvertingGradients(Attack):
             log.add(x, y, trace)
             if log.done:
                 break
-        x, _, trace = log.result(fedavg_aware=self.fedavg_aware)
-        return finish(x, y, trace, t0)
+        x, _, trace = log.result(fedavg_aware=self.fedavg_aware, tv_applied=self._tv(inp) > 0)
+        return finish(x, y, trace, t0, inp.bounds)
+
+    def _tv(self, inp: AttackInput) -> float:
+        """The TV weight for these inputs: 0 on records (no neighbouring features)."""
+        return 0.0 if inp.records else self.tv
 
     def _start(self, inp: AttackInput, n: int, attempt: int) -> torch.Tensor:
         gen = generator(inp, attempt)
-        return init_dummy(self.init, (n, *inp.input_shape), gen, self.pattern).clamp(0, 1)
+        return clamp_to(init_dummy(self.init, (n, *inp.input_shape), gen, self.pattern), inp.bounds)
 
     def _milestones(self) -> list[int]:
         return sorted({max(1, int(self.iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)})
@@ -110,6 +118,7 @@ class InvertingGradients(Attack):
     def _attempt(self, inp: AttackInput, target: Target, y: torch.Tensor, n: int,
                  attempt: int) -> tuple[torch.Tensor, dict]:
         x = self._start(inp, n, attempt).to(inp.device).requires_grad_(True)
+        tv, box = self._tv(inp), inp.bounds
         opt = torch.optim.Adam([x], lr=self.lr)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=self._milestones(), gamma=0.1) \
             if self.lr_decay else None
@@ -119,7 +128,7 @@ class InvertingGradients(Attack):
         for it in range(self.iterations):
             opt.zero_grad(set_to_none=True)
             dist, _ = target.distance(x, y, "cosine", fedavg=self.fedavg_aware)
-            loss = dist + self.tv * total_variation(x) if self.tv else dist
+            loss = dist + tv * total_variation(x) if tv else dist
             (x.grad,) = torch.autograd.grad(loss, [x])
             value = float(loss.detach())
             if not math.isfinite(value):
@@ -135,8 +144,9 @@ class InvertingGradients(Attack):
             opt.step()
             if sched is not None:
                 sched.step()
-            with torch.no_grad():
-                x.clamp_(0, 1)
+            if box is not None:
+                with torch.no_grad():
+                    x.clamp_(*box)
         return best_x, {"loss": losses, "iterations": len(losses), "converged_at": converged_at}
 
     # ---- several victims at once (attacks.batched) ----
@@ -157,8 +167,8 @@ class InvertingGradients(Attack):
                 break
             for v, (x, trace) in zip(todo, self._attempt_group(inputs, st, ys, n, attempt, todo)):
                 logs[v].add(x, ys[v], trace)
-        out = [log.result(fedavg_aware=False) for log in logs]
-        return finish_group([o[0] for o in out], ys, [o[2] for o in out], t0)
+        out = [log.result(fedavg_aware=False, tv_applied=self._tv(inputs[0]) > 0) for log in logs]
+        return finish_group([o[0] for o in out], ys, [o[2] for o in out], t0, inputs[0].bounds)
 
     def _attempt_group(self, inputs: Sequence[AttackInput], st, ys: list[torch.Tensor], n: int, attempt: int,
                        todo: list[int]) -> list[tuple[torch.Tensor, dict]]:
@@ -171,6 +181,7 @@ class InvertingGradients(Attack):
         y = torch.stack([ys[v] for v in todo]).to(dev)
         victims = torch.tensor(todo, dtype=torch.long, device=dev)
         target, weights = st.select(victims)
+        tv, box = self._tv(inputs[0]), inputs[0].bounds
         opt = torch.optim.Adam([x], lr=self.lr)
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=self._milestones(), gamma=0.1) \
             if self.lr_decay else None
@@ -184,7 +195,7 @@ class InvertingGradients(Attack):
             opt.zero_grad(set_to_none=True)
             grads, _ = st.dummy_gradients(x, y)
             dist = stacked_distance(grads, target, "cosine", weights)
-            loss = dist + self.tv * tv_stacked(x) if self.tv else dist
+            loss = dist + tv * tv_stacked(x) if tv else dist
             lv, dv = loss.detach().tolist(), dist.detach().tolist()
             for j in range(A):
                 if not alive[j]:
@@ -206,8 +217,9 @@ class InvertingGradients(Attack):
             opt.step()
             if sched is not None:
                 sched.step()
-            with torch.no_grad():
-                x.clamp_(0, 1)
+            if box is not None:
+                with torch.no_grad():
+                    x.clamp_(*box)
         return [(best_x[j], {"loss": losses[j], "iterations": len(losses[j]), "converged_at": converged[j]})
                 for j in range(A)]
 

@@ -257,5 +257,6 @@ def table_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 def table_formats(cols: Sequence[str]) -> dict[str, str]:
     fmt = {c: ".3f" for c in cols}
     fmt.update({c: ".2f" for c in cols if c.endswith("psnr") or c in ("round_seconds", "time_ratio")})
+    fmt.update({c: ".2e" for c in cols if c.endswith(".mse")})  # records: errors of 1e-10 are not "0.000"
     fmt["failures"] = ".3g"
     return fmt

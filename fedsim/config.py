@@ -356,6 +356,9 @@ def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
         return
     except ValueError as exc:  # root_size and other dataset parameters
         raise ConfigError(str(exc)) from None
+    problem = attack_data_problem(cfg, ds.in_shape)
+    if problem:
+        raise ConfigError(problem)
     try:
         parts = partitions_for(cfg)
     except ValueError as exc:
@@ -365,6 +368,30 @@ def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
         raise ConfigError(f"data.partition = {cfg['data']['partition']!r} leaves clients {empty[:5]} without "
                           f"samples ({len(ds.y_train)} training samples, federation.num_clients = "
                           f"{cfg['federation']['num_clients']})")
+
+
+def attack_data_problem(cfg: Mapping[str, Any], in_shape: Sequence[int]) -> str | None:
+    """Records (tabular data, inputs (F,)) can be attacked only by the attacks that reconstruct them
+    (``supports_records``); the message naming ``attack.name``, or None."""
+    from fedsim.components import ATTACKS
+
+    attack = cfg.get("attack") or {}
+    if len(in_shape) == 3 or not attack or attack.get("enabled", True) is False:
+        return None
+    names = [attack.get("name", "dlg")] if isinstance(attack.get("name", "dlg"), str) else list(attack["name"])
+
+    def for_records(n: str) -> bool:
+        try:
+            return bool(getattr(ATTACKS.lookup(n, "attack.name"), "supports_records", False))
+        except ConfigError:
+            return True  # an unknown name is reported by the attack's own validation
+
+    images_only = [n for n in names if not for_records(n)]
+    if not images_only:
+        return None
+    ok = sorted(n for n in ATTACKS.names() if for_records(n))
+    return (f"attack.name {images_only}: reconstructs images (C, H, W) only; data.dataset = "
+            f"{cfg['data']['dataset']!r} has records of {tuple(in_shape)} features (attacks for records: {ok})")
 
 
 def check_model_and_data(cfg: Mapping[str, Any]) -> None:

@@ -10,7 +10,9 @@ label and its report one or more tables laid out like the paper's:
   columns ``cells`` (``{key, header, scale, fmt}``; a key is any column of the variant's row, e.g.
   ``accuracy``, ``idlg.ssim``, ``ig.rmse``, ``final.<metric>``), one group of cells per ``col`` label
   when the variants have them; ``layout = "cells-as-rows"`` puts the cells under each row instead
-  (seed 004's Table 4: attacks as rows, defense settings as columns);
+  (seed 004's Table 4: attacks as rows, defense settings as columns); ``row_labels = {row = "shown"}``
+  shows a row under another name (a row label shared with another table, e.g. "1" for batch 1 that
+  Table 3.4 calls the fresh model);
 * :func:`systematic` - ``[report.systematic]``: for every defense setting (a variant) the strongest
   attack's reconstruction error (the smallest error over the attack set: eq. 3's inner optimum) and the
   utility loss against the undefended variant of the same ``row`` (final loss increase or accuracy
@@ -116,10 +118,13 @@ def check_report(report: Any, where: str = "report", base: str | None = None) ->
         w = f"{where}.tables[{i}]"
         if not isinstance(t, dict) or not isinstance(t.get("title"), str):
             raise ConfigError(f"{w} must be a table with a 'title'")
-        unknown = set(t) - {"title", "cells", "layout", "row_header", "note", "rows", "expand"}
+        unknown = set(t) - {"title", "cells", "layout", "row_header", "note", "rows", "expand", "row_labels"}
         if unknown:
             raise ConfigError(f"{w}: unknown keys {sorted(unknown)} (title, cells, layout, row_header, note, rows, "
-                              "expand)")
+                              "expand, row_labels)")
+        if "row_labels" in t and (not isinstance(t["row_labels"], dict)
+                                  or not all(isinstance(v, str) for v in t["row_labels"].values())):
+            raise ConfigError(f"{w}.row_labels must be a table from row label to the label shown (strings)")
         if "expand" in t and (not isinstance(t["expand"], list) or not t["expand"]
                               or not all(isinstance(e, str) for e in t["expand"])):
             raise ConfigError(f"{w}.expand must be a non-empty list of names (e.g. attacks) for '{{name}}' in cell keys")
@@ -204,6 +209,11 @@ def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> s
     """A markdown table shaped like the paper's (module docstring). ``rows`` carry ``row``/``col``;
     ``spec["rows"]`` (optional) keeps only the variants with those row labels."""
     cells = spec["cells"]
+    shown = spec.get("row_labels") or {}
+
+    def disp(rl: Any) -> str:
+        return shown.get(rl, rl)
+
     if spec.get("rows") is not None:
         rows = [r for r in rows if r.get("row") in spec["rows"]]
     if spec.get("expand"):  # columns are the names, each cell key's {name} replaced by the column's name
@@ -213,11 +223,11 @@ def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> s
         names = spec["expand"]
         if spec["layout"] == "cells-as-rows":
             header = [spec.get("row_header", ""), ""] + names
-            body = [[rl, c["header"]] + [_cell(by_row[rl].get(c["key"].replace("{name}", n)), c) for n in names]
+            body = [[disp(rl), c["header"]] + [_cell(by_row[rl].get(c["key"].replace("{name}", n)), c) for n in names]
                     for rl in by_row for c in cells]
         else:
             header = [spec.get("row_header", "")] + [f"{n}: {c['header']}" for n in names for c in cells]
-            body = [[rl] + [_cell(by_row[rl].get(c["key"].replace("{name}", n)), c) for n in names for c in cells]
+            body = [[disp(rl)] + [_cell(by_row[rl].get(c["key"].replace("{name}", n)), c) for n in names for c in cells]
                     for rl in by_row]
         return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                          + ["| " + " | ".join(x) + " |" for x in body])
@@ -231,15 +241,15 @@ def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> s
         header = [head, ""] + [c or "" for c in cols]
         for rl in row_labels:
             for c in cells:
-                lines.append([rl, c["header"]] + [_cell((at.get((rl, cl)) or {}).get(c["key"]), c) for cl in cols])
+                lines.append([disp(rl), c["header"]] + [_cell((at.get((rl, cl)) or {}).get(c["key"]), c) for cl in cols])
     elif col_labels:
         header = [head] + [f"{cl}: {c['header']}" if len(cells) > 1 else cl for cl in col_labels for c in cells]
         for rl in row_labels:
-            lines.append([rl] + [_cell((at.get((rl, cl)) or {}).get(c["key"]), c) for cl in col_labels for c in cells])
+            lines.append([disp(rl)] + [_cell((at.get((rl, cl)) or {}).get(c["key"]), c) for cl in col_labels for c in cells])
     else:
         header = [head] + [c["header"] for c in cells]
         for rl in row_labels:
-            lines.append([rl] + [_cell((at.get((rl, None)) or {}).get(c["key"]), c) for c in cells])
+            lines.append([disp(rl)] + [_cell((at.get((rl, None)) or {}).get(c["key"]), c) for c in cells])
     md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(x) + " |" for x in lines]
     return "\n".join(md)

@@ -145,6 +145,30 @@ def test_oneshot_attack_command_writes_the_same_files(tmp_path, capsys):
     assert coloured.sum() > 500  # measured 1884; the same axes without lines: 87
 
 
+def test_records_are_scored_by_mse_without_image_measures(tmp_path, capsys):
+    """Tabular data (breast-cancer records, seed 001 Table 3) through the curious server: no [0, 1] box,
+    MSE on the standardised features, ASR_c by attack.mse_threshold, no SSIM/PSNR; a heat-map figure.
+    Measured: CPL recovers the record to MSE 2.9e-10 (threshold 0.005). An image-only attack is refused
+    before anything runs."""
+    out = tmp_path / "rec"
+    argv = ["attack", "--attack", "cpl", "--model", "mlp", "--dataset", "breast-cancer", "--out", str(out),
+            "--set", "model.hidden=[64]"]
+    assert cli_main(argv) == 0
+    (row,) = read_jsonl(out / "leakage.jsonl")
+    assert row["psnr"] is None and row["ssim"] is None and row["mse"] < 1e-6, row
+    assert row["success_content"] == 1.0 and row["label_acc"] == 1.0
+    assert "cpl: MSE" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["leakage"][0]["columns"] == ["mse", "label_acc", "success_content"]
+    report = (out / "report.md").read_text()
+    assert "share of records with MSE <= 0.005" in report and "| psnr |" not in report
+    assert (out / "reconstruction_cpl.png").stat().st_size > 5000 and (out / "leakage.png").exists()
+    bad = tmp_path / "grnn"
+    assert cli_main([*argv[:2], "grnn", *argv[3:7], "--out", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "attack.name ['grnn']: reconstructs images" in err and "'cpl'" in err and not bad.exists()
+
+
 def test_oneshot_trains_the_victim_through_the_client_app(tmp_path, monkeypatch):
     """``fedsim attack`` runs the victim's round through the real ClientApp: its train handler is
     called once, for client 0, and a Flower mod from the config wraps it (LocalDpMod clipping the

@@ -49,6 +49,9 @@ def test_paper_table_layouts():
                                      "cells": [{"key": "{name}.rmse", "header": "RMSE", "fmt": ".2f"}]}]})
     lines = paper_table([r for r in rows if r["family"] == "none"], spec["tables"][0]).splitlines()
     assert lines[0] == "|  |  | a | b |" and lines[2:] == ["| B=1 | RMSE | 0.10 | 0.30 |", "| B=4 | RMSE | 0.10 | 0.30 |"]
+    # row_labels: a row shown under another name
+    spec = check_report({"tables": [{"title": "t", "cells": ["loss"], "row_labels": {"B=1": "fresh"}}]})["tables"][0]
+    assert [ln.split("|")[1].strip() for ln in paper_table(rows, spec).splitlines()[2:]] == ["fresh", "B=4"]
     # a missing value shows as '-', never as a made-up number
     rows[1].pop("a.rmse")
     spec = check_report({"tables": [{"title": "t", "cells": ["a.rmse"]}]})["tables"][0]
@@ -154,7 +157,10 @@ def test_report_figures_are_drawn_linked_or_noted(tmp_path):
     ('[[report.tables]]\ntitle = "t"\ncells = []', r"report.tables\[0\].cells must be"),
     ('[[report.tables]]\ntitle = "t"\ncells = ["loss"]\nlayout = "diagonal"', "layout must be one of"),
     ('[report.systematic]\nattacks = ["idlg"]\nreference = "none"\nutility = "speed"', "utility must be"),
+    ('[[report.tables]]\ntitle = "t"\ncells = ["loss"]\nrow_labels = { a = 1 }', r"row_labels must be a table"),
     ('[quick]\nvariants = ["nope"]', "quick.variants must list variant labels"),
+    ('[quick]\nvariant_set = { nope = ["seed=1"] }', "quick.variant_set: no variant labelled"),
+    ('[quick]\nvariant_set = { a = "seed=1" }', "quick.variant_set must be a table"),
     ('[[experiment.claims]]\ntext = "t"\nvalue = "nope:loss"\nop = ">"\nthan = 1', "no variant labelled 'nope'"),
     ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~"\nthan = 1', "op must be one of"),
     ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~="\nthan = 1', r"margin must be a number >= 0"),
@@ -182,6 +188,12 @@ def test_quick_needs_a_quick_table_and_picks_its_variants(tmp_path):
     assert spec.meta["b"]["row"] == "r" and spec.meta["a"]["row"] == "a"  # row defaults to the label
     assert "row" not in spec.variants[0][1]  # descriptive keys never reach the config
     assert len(load_spec(p).variants) == 2
+    # variant_set: one variant's own quick overrides, after quick.set and before the user's overrides
+    p.write_text(p.read_text().replace('variants = ["b"]', 'variant_set = { a = ["federation.rounds=2", "seed=5"] }'))
+    spec = load_spec(p, ["seed=7"], quick=True)
+    got = {lab: (c["federation"]["rounds"], c["seed"]) for lab, c in spec.variants}
+    assert got == {"a": (2, 7), "b": (1, 7)}
+    assert load_spec(p).variants[0][1]["federation"]["rounds"] != 2  # full scale: not applied
 
 
 EXPERIMENTS = experiment_files()
@@ -191,6 +203,22 @@ def test_every_paper_has_an_experiment():
     papers = " ".join(json.dumps(load_spec(p).experiment.get("paper", "")) for p in EXPERIMENTS.values())
     for seed in ("seed 000", "seed 001", "seed 002", "seed 003", "seed 004"):
         assert seed in papers, f"no experiment reproduces {seed}"
+
+
+def test_every_table_has_a_quick_row():
+    """Every paper table of every experiment is exercised by the CI smoke test: its [quick] variants
+    include at least one of the table's rows (checked without running anything)."""
+    # an experiment file that does not load would drop out of EXPERIMENTS (and of the smoke test) silently
+    files = {p.stem for p in (ROOT / "experiments").glob("*.toml") if "\n[experiment]" in p.read_text()}
+    assert files == set(EXPERIMENTS), files ^ set(EXPERIMENTS)
+    missing = []
+    for name, path in EXPERIMENTS.items():
+        spec = load_spec(path, quick=True)
+        labels = [lab for lab, _ in spec.variants]
+        for t in spec.report["tables"]:
+            if not any(t.get("rows") is None or spec.meta[lab]["row"] in t["rows"] for lab in labels):
+                missing.append(f"{name}: {t['title']}")
+    assert not missing, f"tables no [quick] variant exercises: {missing}"
 
 
 @pytest.mark.parametrize("name", sorted(EXPERIMENTS))
@@ -204,8 +232,7 @@ def test_quick_variant_runs_and_has_the_papers_table_shape(name, tmp_path):
     all_labels = [lab for lab, _ in spec.variants]
     for t in spec.report["tables"]:
         labels = [lab for lab in all_labels if t.get("rows") is None or spec.meta[lab]["row"] in t["rows"]]
-        if not labels:  # the quick variant runs none of this table's rows: the table is empty
-            continue
+        assert labels, f"{name}: [quick] runs no variant of {t['title']!r}"  # (test_every_table_has_a_quick_row)
         section = report.split(f"## {t['title']}\n", 1)[1].split("\n## ", 1)[0]
         lines = [ln for ln in section.splitlines() if ln.startswith("|")]
         rows = list(dict.fromkeys(spec.meta[lab]["row"] for lab in labels))
@@ -215,7 +242,8 @@ def test_quick_variant_runs_and_has_the_papers_table_shape(name, tmp_path):
         for c in cols:
             assert c in lines[0], (t["title"], c)
         body = [ln.split("|")[1].strip() for ln in lines[2:]]
-        assert body == [r for r in rows for _ in range(per_row)]
+        shown = t.get("row_labels") or {}
+        assert body == [shown.get(r, r) for r in rows for _ in range(per_row)]
         # every variant that ran shows measured numbers (a cell may be '-' where it does not apply, e.g.
         # FedAvg has no own-key accuracy, but no variant is all '-')
         pairs = {(spec.meta[lab]["row"], spec.meta[lab]["col"]) for lab in labels}
@@ -252,11 +280,33 @@ def test_rerun_skips_complete_variants_and_publish_writes_the_index(tmp_path, ca
     dest = publish(out, tmp_path / "pub", name, ["experiment", name])
     text = (dest / "report.md").read_text()
     assert "> Command: `fedsim experiment seed004-systematic`" in text and "> Commit:" in text
+    # the variant folders are not published: named as text (relative to the run folder), not linked;
+    # the published figures stay linked
+    assert "(00-none-b-1/report.md)" in (out / "report.md").read_text()
+    assert "](00-none-b-1/report.md)" not in text and "`00-none-b-1/report.md`" in text
+    assert "![comparison](comparison.png)" in text and (dest / "comparison.png").exists()
     index = (tmp_path / "pub" / "README.md").read_text()
     assert f"({name}/report.md)" in index and "Gradient pruning is the best defense" in index
     (tmp_path / "pub" / "other").mkdir()  # a folder without meta.json is not an experiment
     write_results_index(tmp_path / "pub")
     assert (tmp_path / "pub" / "README.md").read_text() == index
+
+
+def test_an_interrupted_experiment_suggests_resuming_the_experiment(tmp_path, capsys, monkeypatch):
+    """The hint names ``fedsim experiment`` with the same --quick/--only/--set, not ``fedsim sweep``."""
+    import fedsim.app.runner as runner
+    from fedsim.interrupt import RunInterrupted
+
+    def interrupted(*a, **kw):
+        raise RunInterrupted("SIGINT", completed_round=0)
+
+    monkeypatch.setattr(runner, "run_experiment", interrupted)
+    out = tmp_path / "x"
+    argv = ["experiment", "seed004-systematic", "--quick", "--only", "none B=1", "--set", "seed=3", "--out", str(out)]
+    assert cli_main(argv) == 130
+    err = capsys.readouterr().err
+    assert f"continue with: fedsim experiment seed004-systematic --quick --only 'none B=1' --set seed=3 --resume {out}" \
+        in err, err
 
 
 def test_unknown_experiment_lists_the_known_ones(capsys):

@@ -16,6 +16,7 @@ from fedsim.metrics import (
     psnr,
     psnr_from_mse,
     score_reconstruction,
+    score_records,
     ssim,
 )
 
@@ -110,3 +111,33 @@ def test_score_rejects_bad_input():
         score_reconstruction(x[:1], [0], x, [0, 1])
     with pytest.raises(ValueError):
         score_reconstruction(x, [0, 1], x, [0, 1], ssim_threshold=None, psnr_threshold=None)
+
+
+def test_score_records_matches_thresholds_on_mse_and_has_no_image_measures():
+    """Records (seed 001 Table 3): per-record MSE over the standardised features, ASR_c = MSE <= the
+    threshold, labels as multisets; SSIM/PSNR are not defined (None)."""
+    g = torch.Generator().manual_seed(3)
+    truth = torch.randn((4, 30), generator=g)  # standardised features: negative values too
+    labels = torch.tensor([0, 1, 1, 0])
+    perm = torch.tensor([2, 3, 0, 1])
+    recon = truth[perm].clone()
+    recon[0] += math.sqrt(0.004)  # the reconstruction of truth[2]: MSE 0.004 on every feature
+    recon[1] += math.sqrt(0.006)  # of truth[3]: MSE 0.006
+    sc = score_records(recon, labels[perm], truth, labels)  # default threshold 0.005
+    assert sc["assignment"] == [2, 3, 0, 1]
+    assert sc["per_record"]["mse"] == pytest.approx([0.0, 0.0, 0.004, 0.006])
+    assert sc["per_record"]["success"] == [True, True, True, False]
+    assert sc["success_content"] == 0.75 and sc["mse"] == pytest.approx(0.010 / 4)
+    assert sc["psnr"] is None and sc["ssim"] is None
+    assert sc["label_acc"] == 1.0 == sc["success_label"]
+    assert score_records(recon, labels[perm], truth, labels, mse_threshold=0.01)["success_content"] == 1.0
+    assert score_records(recon, labels[perm], truth, labels, mse_threshold=1e-3)["success_content"] == 0.5
+    wrong = score_records(truth, torch.tensor([1, 1, 1, 0]), truth, labels)
+    assert wrong["label_acc"] == 0.75 and wrong["per_record"]["label_correct"] == [False, True, True, True]
+    assert score_records(truth[0], [0], truth[0], [0])["mse"] == 0.0  # one record (F,)
+    with pytest.raises(ValueError, match="features"):
+        score_records(truth[:, :29], labels, truth, labels)
+    with pytest.raises(ValueError, match="records shaped"):
+        score_records(_images(4), labels, truth, labels)
+    with pytest.raises(ValueError, match="mse_threshold"):
+        score_records(truth, labels, truth, labels, mse_threshold=0)

@@ -389,7 +389,7 @@ def test_a_sweep_skips_completed_variants_and_resumes_the_interrupted_one(tmp_pa
     monkeypatch.setattr(client_module, "local_train", trap)
     with pytest.raises(RunInterrupted) as exc:
         run_sweep(sweep, out=out, progress=False)
-    assert "--resume" in exc.value.resume_hint
+    assert exc.value.resume_hint == f"fedsim sweep {sweep} --resume {out}"
     monkeypatch.undo()
     first = {p.name: p.stat().st_mtime_ns for p in (out / "00-plain").iterdir()}
     run_sweep(sweep, out=out, progress=False)

@@ -1,6 +1,7 @@
 """Sweeps: a config plus [[variants]] -> one table."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -45,9 +46,17 @@ def write(tmp_path, text):
     return p
 
 
-def test_sweep_runs_every_variant_into_one_table(tmp_path):
+def test_sweep_runs_every_variant_into_one_table(tmp_path, capsys):
     p = write(tmp_path, BASE + PLAIN_AND_NOISY)
-    out = run_sweep(p, out=tmp_path / "out", progress=False)
+    out = run_sweep(p, out=tmp_path / "out", progress=True)
+    # progress: runs done of the total and, once one has run, an ETA
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[fedsim] sweep ")]
+    assert re.fullmatch(r"\[fedsim\] sweep 1/2: plain  \[0 done in \S+\]", lines[0]), lines
+    assert re.fullmatch(r"\[fedsim\] sweep 2/2: noisy  \[1 done in \S+, ETA \S+\]", lines[1]), lines
+    # re-run: both complete, skipped; the skipped runs give no ETA (none ran here)
+    run_sweep(p, out=tmp_path / "out", progress=True)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("[fedsim] sweep ")]
+    assert re.fullmatch(r"\[fedsim\] sweep 2/2: noisy  \(complete: skipped\)  \[1 done in \S+\]", lines[1]), lines
     rows = read_jsonl(out / "sweep.jsonl")
     assert [r["variant"] for r in rows] == ["plain", "noisy"]
     assert rows[0]["time_ratio"] == pytest.approx(1.0)

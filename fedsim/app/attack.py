@@ -54,8 +54,10 @@ def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True) -> dict[s
     rows = [r for obs in server.observers if obs.name == "curious-server" for r in obs.rows]
     if progress:
         for r in rows:
-            print(f"[fedsim] {r['attack']}: PSNR {r['psnr']:.2f} dB  SSIM {r['ssim']:.3f}  label acc "
-                  f"{r['label_acc']:.2f}  {r['iterations']} it  {r['seconds']:.1f}s")
+            quality = f"MSE {r['mse']:.3g}" if r.get("ssim") is None else \
+                f"PSNR {r['psnr']:.2f} dB  SSIM {r['ssim']:.3f}"  # records have no SSIM/PSNR
+            print(f"[fedsim] {r['attack']}: {quality}  label acc {r['label_acc']:.2f}  {r['iterations']} it  "
+                  f"{r['seconds']:.1f}s")
     return summary
 
 

@@ -1,18 +1,22 @@
 """``fedsim experiment NAME [--quick] [--out DIR] [--publish DIR]``: the papers' tables, one command each.
 
 An experiment is a sweep file (:mod:`fedsim.app.sweep`: one mechanism) in ``experiments/`` with an
-``[experiment]`` table (title, paper, scale, notes, claims), a ``[quick]`` table (overrides and a
-variant subset that run in minutes on 2 CPU cores: the CI smoke test runs every one) and a
+``[experiment]`` table (title, paper, scale, notes, claims), a ``[quick]`` table (overrides, per-variant
+overrides and a variant subset that run in minutes on 2 CPU cores: the CI smoke test runs every one,
+and every table has a quick row) and a
 ``[report]`` table (tables shaped like the paper's, the systematic evaluation; :mod:`fedsim.tables`).
 ``NAME`` is a file or the stem of one in ``experiments/``. Re-running into the same ``--out`` skips
 the variants whose runs are complete. ``--publish DIR`` (e.g. ``docs/results``) copies the report
 and its figures to ``DIR/<name>/`` with the command, date and commit, and rewrites ``DIR/README.md``:
-every published experiment's claims, our numbers and whether they hold.
+every published experiment's claims, our numbers and whether they hold. The per-variant run folders
+are not published: the published report names them as plain text, relative to the run folder, instead
+of linking to them.
 """
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import re
 import shlex
 import shutil
 import subprocess
@@ -62,6 +66,23 @@ def _commit() -> str:
         return "unknown"
 
 
+_LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
+
+
+def unlink_missing(text: str, folder: Path) -> str:
+    """Markdown links (and images) in ``text`` whose relative target is not in ``folder`` become the
+    target as plain text (code): a published report does not link to the run folders left behind."""
+    def sub(m: re.Match) -> str:
+        target = m.group(3)
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I) or target.startswith(("#", "/")):
+            return m.group(0)  # a URL, an anchor, an absolute path: left as they are
+        if (folder / target.split("#", 1)[0]).exists():
+            return m.group(0)
+        return f"`{target}`"
+
+    return _LINK.sub(sub, text)
+
+
 def publish(run_dir: Path, dest_root: Path, name: str, argv: Sequence[str]) -> Path:
     """Copy the experiment's report and figures to ``dest_root/name/`` with command, date and commit
     and rewrite ``dest_root/README.md``."""
@@ -74,14 +95,14 @@ def publish(run_dir: Path, dest_root: Path, name: str, argv: Sequence[str]) -> P
     stamp = (f"> Command: `{shlex.join(['fedsim', *argv])}`  \n> Date: "
              f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}  \n> Commit: {commit}  \n"
              f"> Run folder (not in the repo): `{run_dir}`\n\n")
-    text = (run_dir / "report.md").read_text()
-    title, _, rest = text.partition("\n")
-    atomic_write_text(dest / "report.md", f"{title}\n\n{stamp}{rest}")
     for f in ("claims.json", "systematic.json", "sweep.csv"):
         if (run_dir / f).exists():
             shutil.copy2(run_dir / f, dest / f)
     for png in run_dir.glob("*.png"):
         shutil.copy2(png, dest / png.name)
+    text = (run_dir / "report.md").read_text()
+    title, _, rest = text.partition("\n")
+    atomic_write_text(dest / "report.md", f"{title}\n\n{stamp}{unlink_missing(rest, dest)}")
     meta = {"name": name, "title": title.lstrip("# ").strip(), "command": shlex.join(["fedsim", *argv]),
             "date": _dt.date.today().isoformat(), "commit": commit}
     atomic_write_text(dest / "meta.json", json.dumps(meta, indent=1))
@@ -129,7 +150,8 @@ def cmd_experiment(args: Any, shortcuts: Sequence[str], seeds: list[int] | None)
     if args.publish and (args.quick or args.only):
         raise ConfigError("--publish is for full-scale reports of every variant; drop --quick / --only")
     run_dir = run_sweep(path, [*(args.set or []), *shortcuts], out=out, progress=not args.quiet,
-                        only=args.only or [], seeds=seeds, overwrite=args.overwrite, quick=args.quick)
+                        only=args.only or [], seeds=seeds, overwrite=args.overwrite, quick=args.quick,
+                        command=["fedsim", "experiment", args.name])
     print(f"[fedsim] experiment {path.stem} results in {run_dir}  (report: {Path(run_dir) / 'report.md'})")
     if args.publish:
         dest = publish(Path(run_dir), Path(args.publish), path.stem, sys.argv[1:])

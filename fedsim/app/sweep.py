@@ -97,11 +97,18 @@ def load_sweep_seeds(path: str | Path, overrides: Sequence[str] = (), only: Sequ
 def _check_quick(quick: Any, p: Path, labels: Sequence[str]) -> dict[str, Any]:
     if not isinstance(quick, dict):
         raise ConfigError(f"{p}: [quick] must be a table (set = [...], variants = [...], seeds = [...])")
-    unknown = set(quick) - {"set", "variants", "seeds"}
+    unknown = set(quick) - {"set", "variants", "seeds", "variant_set"}
     if unknown:
-        raise ConfigError(f"{p}: quick: unknown keys {sorted(unknown)} (set, variants, seeds)")
+        raise ConfigError(f"{p}: quick: unknown keys {sorted(unknown)} (set, variants, seeds, variant_set)")
     if not isinstance(quick.get("set", []), list) or not all(isinstance(x, str) for x in quick.get("set", [])):
         raise ConfigError(f"{p}: quick.set must be a list of 'section.key=value' strings")
+    per = quick.get("variant_set", {})
+    if not isinstance(per, dict) or not all(isinstance(v, list) and all(isinstance(x, str) for x in v)
+                                            for v in per.values()):
+        raise ConfigError(f"{p}: quick.variant_set must be a table from variant label to a list of "
+                          "'section.key=value' strings")
+    if any(k not in labels for k in per):
+        raise ConfigError(f"{p}: quick.variant_set: no variant labelled {[k for k in per if k not in labels]}")
     vs = quick.get("variants", [])
     if not isinstance(vs, list) or any(v not in labels for v in vs):
         raise ConfigError(f"{p}: quick.variants must list variant labels; unknown: "
@@ -112,8 +119,10 @@ def _check_quick(quick: Any, p: Path, labels: Sequence[str]) -> dict[str, Any]:
 def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = (),
               quick: bool = False) -> SweepSpec:
     """Read and validate a sweep/experiment file (every variant's config, the report specs and claims).
-    ``quick`` applies the file's ``[quick]`` table: its ``set`` overrides come before ``overrides`` and
-    its ``variants`` choose the variants unless ``only`` does."""
+    ``quick`` applies the file's ``[quick]`` table: its ``set`` overrides come before ``overrides`` (then
+    ``variant_set``: a variant's own quick overrides, for keys the other variants do not have, such as
+    the parameters of an attack only it runs) and its ``variants`` choose the variants unless ``only``
+    does."""
     p = Path(path)
     data = read_toml(p, "sweep file")
     seeds = check_seeds(data.pop("seeds")) if "seeds" in data else None
@@ -147,11 +156,13 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
     report_spec = check_report(report, f"{p}: report", base=str(p.parent))
     claims = check_claims(experiment.get("claims"), labels, f"{p}: experiment.claims")
     pre: list[str] = []
+    per_variant: dict[str, list[str]] = {}
     if quick:
         if quick_spec is None:
             raise ConfigError(f"{p}: --quick: this file has no [quick] table")
         q = _check_quick(quick_spec, p, labels)
         pre = list(q.get("set", []))
+        per_variant = {k: list(v) for k, v in q.get("variant_set", {}).items()}
         if not only and q.get("variants"):
             only = list(q["variants"])
         if "seeds" in q:
@@ -171,7 +182,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
         _merge(cfg, v)
         cfg["name"] = f"{base.get('name', 'sweep')}-{_slug(label)}"
         try:
-            apply_overrides(cfg, overrides)
+            apply_overrides(cfg, [*pre, *per_variant.get(label, []), *overrides[len(pre):]])
             absolute_references(cfg)
             validate(cfg)
         except ConfigError as exc:
@@ -195,16 +206,39 @@ class SweepFailed(RuntimeError):
     """Some variants failed (the others ran; the sweep's report lists every variant's status)."""
 
 
+def resume_command(path: str | Path, out_dir: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = (),
+                   seeds: Sequence[int] | None = None, quick: bool = False,
+                   command: Sequence[str] | None = None) -> str:
+    """The command that continues an interrupted sweep or experiment in ``out_dir``: ``command`` (default
+    ``fedsim sweep PATH``; ``fedsim experiment NAME`` for an experiment) with the same ``--quick``,
+    ``--only``, ``--set`` and ``--seeds``, and ``--resume OUT_DIR``."""
+    import shlex
+
+    argv = list(command) if command else ["fedsim", "sweep", str(path)]
+    if quick:
+        argv.append("--quick")
+    for o in only:
+        argv += ["--only", o]
+    for o in overrides:
+        argv += ["--set", o]
+    if seeds is not None:
+        argv += ["--seeds", ",".join(str(s) for s in seeds)]
+    return shlex.join([*argv, "--resume", str(out_dir)])
+
+
 def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None,
               progress: bool = True, only: Sequence[str] = (), seeds: Sequence[int] | None = None,
-              overwrite: bool = False, quick: bool = False) -> Path:
+              overwrite: bool = False, quick: bool = False, command: Sequence[str] | None = None) -> Path:
     """Run every variant (once per seed when the file or ``seeds`` gives seeds) into
     ``<out>/<nn>-<label>[-seed<s>]/``. Everything is checked first (configs, data, partitions, the
     variant folders): a bad value anywhere stops the sweep before anything runs. Re-run into the same
     ``out``, completed runs are skipped and interrupted ones resume from their checkpoints;
     ``overwrite`` clears the folder first. A run that fails is recorded (``status`` in its row) and the
     sweep goes on; :class:`SweepFailed` is raised at the end. ``quick`` runs the file's ``[quick]``
-    variant (:func:`load_spec`)."""
+    variant (:func:`load_spec`). ``command`` is how the caller was invoked (``fedsim experiment NAME``),
+    for the hint an interruption prints (:func:`resume_command`). The progress line of each run shows
+    the runs done of the total and an ETA from the runs that ran here (complete ones are skipped and
+    do not count)."""
     from fedsim.app.runner import run_experiment
     from fedsim.config import check_data
     from fedsim.interrupt import RunInterrupted
@@ -212,6 +246,7 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
 
     spec = load_spec(path, overrides, only, quick)
     base, variants = spec.base, spec.variants
+    given_seeds = list(seeds) if seeds is not None else None
     seeds = check_seeds(list(seeds), "--seeds") if seeds is not None else spec.seeds
     spec.seeds = seeds
     for i, (label, cfg) in enumerate(variants):
@@ -246,28 +281,35 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
                     cfg["name"] = f"{variants[i][1]['name']}-seed{seed}"
                     name += f"-seed{seed}"
                 jobs.append((i, label, cfg, seed, out_dir / name))
+        complete: set[Path] = set()
         for _, label, cfg, _, d in jobs:  # a folder of another run stops the sweep before it starts
-            if d.is_dir():
-                decide(d, cfg, what=f"variant {label!r}: folder")
+            if d.is_dir() and decide(d, cfg, what=f"variant {label!r}: folder").action == "complete":
+                complete.add(d)
         if not (out_dir / "sweep.jsonl").exists():
             write_jsonl(out_dir / "sweep.jsonl", [])  # marks the folder as a sweep's
         runs: dict[int, list[dict[str, Any]]] = {}
         run_dirs: dict[int, list[Path]] = {}
         failed: list[str] = []
         t0 = time.perf_counter()
+        ran, spent = 0, 0.0  # runs that ran here (not skipped as complete) and their wall time
         with prog.suppressed(not progress):
             for done, (i, label, cfg, seed, job_dir) in enumerate(jobs):
                 elapsed = time.perf_counter() - t0
-                left = f", ETA {prog.duration(prog.eta(done, len(jobs), elapsed))}" if done else ""
+                skip = job_dir in complete
+                to_run = sum(1 for j in jobs[done:] if j[4] not in complete)  # this one included
+                left = f", ETA {prog.duration(prog.eta(ran, ran + to_run, spent))}" if ran and to_run else ""
                 prog.say(f"sweep {done + 1}/{len(jobs)}: {label}" + (f" (seed {seed})" if seed is not None else "")
+                         + ("  (complete: skipped)" if skip else "")
                          + f"  [{done} done in {prog.duration(elapsed)}{left}]")
+                t_job = time.perf_counter()
                 try:
                     run_dir = run_experiment(cfg, out=job_dir, progress=progress)
                     row = run_row(label, run_dir)
                     run_dirs.setdefault(i, []).append(run_dir)
                 except RunInterrupted as exc:
                     exc.run_dir = out_dir  # type: ignore[attr-defined]
-                    exc.resume_hint = f"fedsim sweep {path} --resume {out_dir}"  # type: ignore[attr-defined]
+                    exc.resume_hint = resume_command(path, out_dir, overrides, only,  # type: ignore[attr-defined]
+                                                     given_seeds, quick, command)
                     raise
                 except (ConfigError, KeyboardInterrupt):
                     raise
@@ -277,6 +319,8 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
                            "round_seconds": None, "run": job_dir.name,
                            "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
                     prog.say(f"sweep run {failed[-1]!r} failed: {row['error']}")
+                if not skip:
+                    ran, spent = ran + 1, spent + time.perf_counter() - t_job
                 if seed is not None:
                     row["seed"] = seed
                 runs.setdefault(i, []).append(row)
@@ -418,10 +462,11 @@ def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str,
             + ("; other `*_accuracy` columns: what defenses and observers report in the last round (e.g. "
                "FedKL's own-key and random-key accuracies). " if any("." in k and k.endswith("_accuracy") for k in cols) else ". ")
             + "Leakage columns: mean over the attacked updates (`<attack>.psnr` in dB, `.ssim`, `.label_acc`, "
-            "`.success_content` = share of images with SSIM >= the threshold). `round_seconds`: median wall time "
+            "`.success_content` = share of images with SSIM >= the threshold; of records (tabular data) with MSE "
+            "<= `attack.mse_threshold`, and no PSNR/SSIM). `round_seconds`: median wall time "
             "of rounds >= 2 (training, aggregation, evaluation; attacks are timed apart); `time_ratio`: relative to "
             f"the first variant.{repeat}\n",
             comparison_table(rows, cols, table_formats(cols)),
             "\n![comparison](comparison.png)\n",
-            "\nEach run's own report: " + "; ".join(links) + "\n"]
+            "\nEach run's own report (in its folder under this sweep's folder): " + "; ".join(links) + "\n"]
     atomic_write_text(out_dir / "report.md", "\n".join(text))
