@@ -50,6 +50,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedsim import progress
+
 from ._common import (
     RestartLog,
     Target,
@@ -311,6 +313,7 @@ class GRNN(Attack):
                 best_y = (yp.detach().argmax(-1) if y_fixed is None else y_fixed).clone()
             if self.threshold is not None and converged_at is None and float(mse.detach()) < self.threshold:
                 converged_at = it
+            progress.tick(it + 1, self.iterations, distance=float(mse.detach()))
             grads = torch.autograd.grad(loss, params)
             for p, g in zip(params, grads):
                 p.grad = g
@@ -353,6 +356,8 @@ class GRNN(Attack):
         the other: a generator's convolutions are compute-bound, stacking them with ``vmap`` measured
         slower on the CPU); their outputs are stacked for one gradient-matching pass over all victims,
         and one RMSprop over all generators' weights updates each as it would alone (element-wise)."""
+        from .batched import stack_tick
+
         dev = inputs[0].device
         starts = [self._start(inputs[v], n, attempt) for v in todo]
         fixed = torch.stack([y_fixed[v] for v in todo]).to(dev) if y_fixed is not None else None
@@ -395,6 +400,7 @@ class GRNN(Attack):
                     converged[j] = it
             if not any(alive):
                 break
+            stack_tick(it + 1, self.iterations, [m for m, a in zip(mv, alive) if a], sum(alive), A)
             keep = torch.tensor(alive, device=dev).float()
             grads_g = torch.autograd.grad((loss.nan_to_num(0.0) * keep).sum(), params)
             for p, g in zip(params, grads_g):
