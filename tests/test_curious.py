@@ -183,7 +183,7 @@ def test_oneshot_runs_the_stronger_attacks(tmp_path, argv, attacks):
     for a, r in rows.items():
         assert (out / f"reconstruction_{a}.png").exists() and a in report
         assert math.isfinite(r["psnr"]) and r["batch_size"] == int(argv[argv.index("--batch-size") + 1])
-    if "robbing" in rows:  # measured 77.5 dB (13 of 16 images alone in their bin)
+    if "robbing" in rows:  # measured 77.5 dB mean PSNR over the 16 images (SSIM 0.836)
         assert rows["robbing"]["psnr"] > 40 and "malicious" in report
     else:
         assert rows["grnn"]["iterations"] == 10 and rows["ig-fr"]["iterations"] == 10
