@@ -15,6 +15,10 @@ in the target gradient and the attacker's random start. Stacking them gives one 
 * :func:`batched_lbfgs_loop` mirrors :func:`attacks._common.lbfgs_loop` per victim (best iterate,
   threshold, early stop), dropping victims that stop from the stacked problem.
 
+Every stacked loop reports each iteration with :func:`stack_tick` (the iteration, the lowest current
+gradient distance in the stack, the victims still optimised; printed at most every
+``FEDSIM_PROGRESS_INTERVAL`` seconds), which is also where a requested stop (Ctrl-C) interrupts it.
+
 Element-wise optimisers (Adam, RMSprop) need no special handling: applied to a stacked tensor they
 update each victim's entries exactly as they would alone. What differs from one-by-one runs is only the
 order of floating-point summations (dot products, grouped convolutions), i.e. rounding.
@@ -32,6 +36,8 @@ import torch
 from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn import functional as F
+
+from fedsim import progress
 
 from ._common import Stagnation, Target, prepare_target
 from .base import AttackInput
@@ -236,6 +242,15 @@ class BatchedLBFGS:
         return torch.where(move.unsqueeze(1), self.d * self.t.unsqueeze(1), torch.zeros_like(g))
 
 
+def stack_tick(done: int, total: int, distances: Sequence[float], active: int, size: int) -> None:
+    """Progress of a stacked loop (:func:`fedsim.progress.tick`, also the loop's stop check): the
+    iteration, the lowest current gradient distance over the victims still optimised and how many of the
+    stack's victims those are."""
+    finite = [d for d in distances if math.isfinite(d)]
+    progress.tick(done, total, **{"min distance": min(finite) if finite else math.nan,
+                                  "victims": f"{active}/{size}"})
+
+
 def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(t.shape[0], -1) for t in tensors], 1)
 
@@ -298,6 +313,7 @@ def batched_lbfgs_loop(variables: list[torch.Tensor],
                 stop.append(j)
             elif len(losses[v]) >= caps[v]:  # its budget is spent (stopped stays None)
                 stop.append(j)
+        stack_tick(it + 1, iterations, [d for d, lo in zip(dv, lv) if math.isfinite(lo)], len(rows), V)
         with torch.no_grad():
             if better:
                 bj = torch.tensor(better, device=device)

@@ -63,7 +63,7 @@ from fedsim.factories import client_data, dataset_for, model_for, partitions_for
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.protocol import LR
 from fedsim.rounds import sample_partitions
-from fedsim.training import Recipe, batch_schedule, derive_seed
+from fedsim.training import Recipe, batch_schedule, derive_seed, iter_batches
 
 from .curious import select_truth
 from .curious_client import invert_rows, invert_single, others_gradient, span_inversion
@@ -207,7 +207,7 @@ class CuriousClient(Observer):
             if p == self.client:
                 continue
             x, y = client_data(self.cfg, p)
-            idx = torch.as_tensor(batch_schedule(self.cfg["seed"], rnd, p, len(y), recipe)[0])
+            idx = torch.as_tensor(next(iter_batches(self.cfg["seed"], rnd, p, len(y), recipe)))  # the first batch only
             xs.append(x[idx])
             ys.append(y[idx])
         return torch.cat(xs), torch.cat(ys)

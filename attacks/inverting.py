@@ -174,7 +174,7 @@ class InvertingGradients(Attack):
                        todo: list[int]) -> list[tuple[torch.Tensor, dict]]:
         """One attempt for the victims ``todo``: Adam on the stacked images is element-wise, so each
         victim's images move exactly as in :meth:`_attempt`."""
-        from .batched import stacked_distance
+        from .batched import stack_tick, stacked_distance
 
         dev = inputs[0].device
         x = torch.stack([self._start(inputs[v], n, attempt) for v in todo]).to(dev).requires_grad_(True)
@@ -211,6 +211,7 @@ class InvertingGradients(Attack):
                     converged[j] = it
             if not any(alive):
                 break
+            stack_tick(it + 1, self.iterations, [d for d, a in zip(dv, alive) if a], sum(alive), A)
             (x.grad,) = torch.autograd.grad(loss.nan_to_num(0.0).sum(), [x])
             if self.signed:
                 x.grad.sign_()

@@ -60,12 +60,13 @@ class BNStatistics(Knowledge):
 
     def grant(self, inp: AttackInput, update: ClientUpdate) -> AttackInput:
         from fedsim.factories import client_data
-        from fedsim.training import Recipe, batch_schedule
+        from fedsim.training import Recipe, iter_batches
 
         from .bn_prior import batch_bn_stats
 
         x, y = client_data(self.cfg, update.client_id)
-        first = batch_schedule(self.cfg["seed"], update.round, update.client_id, len(y),
-                               Recipe.from_mapping(update.recipe))[0]
+        # the first batch only, drawn lazily: bounded memory for any local_steps
+        first = next(iter_batches(self.cfg["seed"], update.round, update.client_id, len(y),
+                                  Recipe.from_mapping(update.recipe)))
         inp.bn_stats = batch_bn_stats(inp.global_model(), x[torch.as_tensor(first)].to(inp.device))
         return inp

@@ -7,8 +7,9 @@ this times
 * ``floor``: one forward, the parameter gradient with ``create_graph=True``, the squared L2 distance
   to a fixed target and the double backward to the dummy input - the least any gradient-matching
   iteration must do on that model;
-* every registered attack (``dlg`` joint labels, ``idlg``, ``cpl``, ``ig``, ``grnn``) with its
-  per-iteration work only (one attempt, no threshold stop, no patience stop);
+* every optimisation-based attack (``dlg`` joint labels, ``idlg``, ``cpl``, ``ig``, ``grnn``, ``ig-bn``,
+  ``ig-fr``; not ``robbing``, which is closed-form) with its per-iteration work only (one attempt, no
+  threshold stop, no patience stop). ``ig-bn`` needs BatchNorm: on the LeNet (none) its cell is ``-``;
 
 side by side in the same process (interleaved repeats, best rate of each kept), and prints
 iterations per second and the attack-to-floor time ratio (1.00 = no overhead beyond the floor).
@@ -16,13 +17,19 @@ Attack rates are measured as the difference between a long and a short run, so o
 (target extraction, label inference) is excluded. DLG with joint labels can saturate the sigmoids
 from some starts, after which L-BFGS iterations are no-ops (a zero gradient), which inflates its rate.
 
-**Victims per second** (``--victims V``, 0 to skip): ``V`` victims of one round (one global LeNet,
-disjoint fmnist-small images, batch 1 and 8) attacked one by one with ``run`` and together with
-``run_many``, the same iterations per victim; prints victims per second of both, the speed-up and
-the mean SSIM of both runs (equal quality: the stacked run solves the same problems).
+**Victims per second** (``--victims V``, 0 to skip): ``V`` victims of one round (one global LeNet -
+the BatchNorm LeNet for ``ig-bn`` - disjoint fmnist-small images, batch 1 and 8) attacked one by one
+with ``run`` and together with ``run_many``, the same iterations per victim; prints victims per second
+of both, the speed-up and the mean SSIM of both runs (equal quality: the stacked run solves the same
+problems). ``ig-bn`` and ``ig-fr`` have no stacked implementation (``run_many`` runs them one by one:
+speed-up ~1), nor has GRNN above batch 4 (docs/attacks.md).
 
-    .venv/bin/python benchmarks/attack_speed.py [--threads 1] [--device cpu] [--seconds 1.0] [--repeats 3]
-        [--attacks dlg,idlg,cpl,ig,grnn] [--victims 8]
+``--device`` (``cpu``, ``cuda``, ``cuda:N``, ``auto``) is where the attacks and the floor run: the global
+model, the dummy data and every attack tensor (``AttackInput.device``); GPU timings synchronise before
+reading the clock. The victims' updates are computed on the CPU (the same updates on every device).
+
+    .venv/bin/python benchmarks/attack_speed.py [--threads 1] [--device cpu|cuda] [--seconds 1.0] [--repeats 3]
+        [--attacks dlg,idlg,cpl,ig,grnn,ig-bn,ig-fr] [--victims 8]
 """
 from __future__ import annotations
 
@@ -38,35 +45,51 @@ from attacks import AttackInput, build_attack
 from fedsim.data.registry import load_dataset
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
-from fedsim.training import Recipe, local_train
+from fedsim.training import Recipe, local_train, resolve_device
 
-MODELS = {
+MODELS = {  # build_model keyword arguments; "init" is the global model's initialisation
     "lenet": dict(name="lenet", init="uniform"),  # sigmoid, U(-0.5, 0.5): the DLG setting
     "convnet": dict(name="convnet", init="default"),  # width 16, ReLU, BatchNorm (fedsim defaults)
+    "lenet-bn": dict(name="lenet", init="default", norm="batch", activation="relu"),  # attack_priors' model
 }
-ATTACKS = ("dlg", "idlg", "cpl", "ig", "grnn")
+PER_ITERATION_MODELS = ("lenet", "convnet")
+ATTACKS = ("dlg", "idlg", "cpl", "ig", "grnn", "ig-bn", "ig-fr")
+NEEDS_BN = {"ig-bn"}  # a model without BatchNorm is an error for these
 # per-iteration work only: one attempt, no early stops
 PER_ITERATION = {"dlg": {"threshold": None, "restarts": 1, "patience": None},
                  "idlg": {"threshold": None, "restarts": 1, "patience": None},
                  "cpl": {"threshold": None, "restarts": 1, "patience": None},
                  "ig": {"threshold": None, "restarts": 1},
-                 "grnn": {"threshold": None, "restarts": 1}}
+                 "grnn": {"threshold": None, "restarts": 1},
+                 "ig-bn": {"threshold": None, "restarts": 1},
+                 "ig-fr": {"threshold": None, "restarts": 1}}
 # iterations per victim in the victims-per-second comparison
-VICTIM_ITERATIONS = {"dlg": 300, "idlg": 300, "cpl": 300, "ig": 300, "grnn": 100}
+VICTIM_ITERATIONS = {"dlg": 300, "idlg": 300, "cpl": 300, "ig": 300, "grnn": 100, "ig-bn": 300, "ig-fr": 100}
+
+
+def has_bn(model_key: str) -> bool:
+    spec = dict(MODELS[model_key])
+    model = build_model(spec.pop("name"), (1, 28, 28), 10, **{k: v for k, v in spec.items() if k != "init"})
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def supports(name: str, model_key: str) -> bool:
+    return name not in NEEDS_BN or has_bn(model_key)
 
 
 def victim(model_key: str, batch: int, device: torch.device, start: int = 0, seed: int = 0) -> tuple[
         AttackInput, torch.Tensor, torch.Tensor]:
     """One client's FedSGD update on images ``start .. start + batch`` (the global model from ``seed``)."""
     ds = load_dataset("fmnist-small")
-    spec = MODELS[model_key]
+    spec = dict(MODELS[model_key])
+    name, init = spec.pop("name"), spec.pop("init")
     shape = ds.in_shape
 
     def model_fn():
-        return build_model(spec["name"], shape, 10)
+        return build_model(name, shape, 10, **spec)
 
     torch.manual_seed(0)
-    net = build_model(spec["name"], shape, 10, init=spec["init"])
+    net = build_model(name, shape, 10, init=init, **spec)
     g = {k: v.detach().clone() for k, v in net.state_dict().items()}
     recipe = Recipe(lr=0.1, batch_size=batch, local_steps=1)
     x, y = ds.x_train[start:start + batch], ds.y_train[start:start + batch]
@@ -129,8 +152,10 @@ def attack_rate(name: str, inp: AttackInput, seconds: float, guess: float) -> fl
 
 
 def victims_rate(name: str, batch: int, victims: int, device: torch.device) -> dict[str, Any]:
-    """Victims per second one by one and stacked, with the mean SSIM of each."""
-    vs = [victim("lenet", batch, device, start=37 * k, seed=k) for k in range(victims)]
+    """Victims per second one by one and stacked, with the mean SSIM of each (on the LeNet, or the
+    BatchNorm LeNet for attacks that need BatchNorm)."""
+    model_key = "lenet" if supports(name, "lenet") else "lenet-bn"
+    vs = [victim(model_key, batch, device, start=37 * k, seed=k) for k in range(victims)]
     inputs = [v[0] for v in vs]
     params = dict(PER_ITERATION[name], iterations=VICTIM_ITERATIONS[name])
     attack = build_attack(name, **params)
@@ -149,48 +174,59 @@ def victims_rate(name: str, batch: int, victims: int, device: torch.device) -> d
                               for r, (_, x, y) in zip(results, vs)]))
 
     return {"one": victims / (t1 - t0), "many": victims / (t2 - t1), "speedup": (t1 - t0) / (t2 - t1),
-            "ssim_one": mean_ssim(one), "ssim_many": mean_ssim(many), "iterations": VICTIM_ITERATIONS[name]}
+            "ssim_one": mean_ssim(one), "ssim_many": mean_ssim(many), "iterations": VICTIM_ITERATIONS[name],
+            "model": model_key, "stacked": bool(many and many[0].trace.get("group_size"))}
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (CUDA when present)")
     ap.add_argument("--seconds", type=float, default=1.0, help="target time per measurement")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the best rate is kept")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--victims", type=int, default=8, help="victims per round for run_many (0: skip)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except (RuntimeError, ValueError) as exc:
+        ap.error(f"--device: {exc}")
     names = args.attacks.split(",")
+    unknown = [n for n in names if n not in PER_ITERATION]
+    if unknown:
+        ap.error(f"--attacks: {unknown} not among {list(PER_ITERATION)}")
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}")
     # warm-up: the first backward of a process is slow
     floor_rate(victim("lenet", 1, device)[0], 0.2)
-    configs = [(m, b) for m in MODELS for b in (1, 8)]
+    configs = [(m, b) for m in PER_ITERATION_MODELS for b in (1, 8)]
     inputs = {c: victim(*c, device)[0] for c in configs}
     best: dict[tuple, dict[str, float]] = {c: {} for c in configs}
     for _ in range(args.repeats):  # interleaved repeats, best of each: robust to other load on the machine
         for c in configs:
             fl = floor_rate(inputs[c], args.seconds)
-            rates = {"floor": fl, **{n: attack_rate(n, inputs[c], args.seconds, fl) for n in names}}
+            rates = {"floor": fl, **{n: attack_rate(n, inputs[c], args.seconds, fl) for n in names
+                                     if supports(n, c[0])}}
             best[c] = {k: max(best[c].get(k, 0.0), v) for k, v in rates.items()}
     print("\nIterations per second, and time per iteration over the floor's")
     print(f"{'model':8} {'batch':>5} {'floor it/s':>11} " + " ".join(f"{n + ' it/s':>10} {'/floor':>6}" for n in names))
     for (model_key, batch), r in best.items():
         print(f"{model_key:8} {batch:5d} {r['floor']:11.1f} "
-              + " ".join(f"{r[n]:10.1f} {r['floor'] / r[n]:6.2f}" for n in names))
-    print("floor: one forward + parameter gradient (create_graph) + L2 distance + double backward.")
+              + " ".join(f"{r[n]:10.1f} {r['floor'] / r[n]:6.2f}" if n in r else f"{'-':>10} {'-':>6}"
+                         for n in names))
+    print("floor: one forward + parameter gradient (create_graph) + L2 distance + double backward. "
+          "-: the attack needs BatchNorm.")
     if args.victims:
-        print(f"\nVictims per second: {args.victims} victims of one round (LeNet), one by one (run) vs stacked "
+        print(f"\nVictims per second: {args.victims} victims of one round (LeNet; ig-bn: BatchNorm LeNet), one by one (run) vs stacked "
               "(run_many), same iterations per victim")
-        print(f"{'attack':6} {'batch':>5} {'iters':>5} {'one v/s':>8} {'stacked v/s':>11} {'speed-up':>8} "
-              f"{'SSIM one':>8} {'SSIM stacked':>12}")
+        print(f"{'attack':6} {'model':8} {'batch':>5} {'iters':>5} {'one v/s':>8} {'stacked v/s':>11} "
+              f"{'speed-up':>8} {'SSIM one':>8} {'SSIM stacked':>12}")
         for batch in (1, 8):
             for n in names:
                 r = victims_rate(n, batch, args.victims, device)
-                print(f"{n:6} {batch:5d} {r['iterations']:5d} {r['one']:8.2f} {r['many']:11.2f} {r['speedup']:8.2f} "
-                      f"{r['ssim_one']:8.3f} {r['ssim_many']:12.3f}", flush=True)
+                note = "" if r["stacked"] else "  (not stacked: one by one)"
+                print(f"{n:6} {r['model']:8} {batch:5d} {r['iterations']:5d} {r['one']:8.2f} {r['many']:11.2f} "
+                      f"{r['speedup']:8.2f} {r['ssim_one']:8.3f} {r['ssim_many']:12.3f}{note}", flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,12 @@ progress. The first signal *requests* a stop:
   next safe point (:meth:`StopSignal.check`: while it waits for client replies, between rounds,
   between observers).
 
+Long loops that run in the server's thread - the curious server's attacks, which run between two
+rounds and can take minutes - are safe points too: :func:`poll` raises :class:`RunInterrupted` when the
+stop watched by the current thread (:meth:`StopSignal.watching`, which the server loop opens) was
+requested. :func:`fedsim.progress.tick` calls it, so every loop that reports progress stops within one
+iteration of a Ctrl-C, also on Ray, without the loop knowing the run.
+
 Either way the server then writes ``summary.json`` with ``status = "interrupted"`` and the last
 completed round, and the runner shuts the federation down. A second signal aborts at once
 (``os._exit``), without a summary.
@@ -19,6 +25,7 @@ completed round, and the runner shuts the federation down. A second signal abort
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import signal
 import sys
@@ -26,6 +33,7 @@ import threading
 from typing import Any, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_watched: contextvars.ContextVar["StopSignal | None"] = contextvars.ContextVar("fedsim_stop", default=None)
 
 
 class RunInterrupted(KeyboardInterrupt):
@@ -50,7 +58,8 @@ class RunInterrupted(KeyboardInterrupt):
 class StopSignal:
     """A stop request shared by the signal handler, the server loop and the runner."""
 
-    def __init__(self) -> None:
+    def __init__(self, notice: str = "stopping after the last completed round") -> None:
+        self.notice = notice  # what the first signal's line says is happening
         self.signame: str | None = None
         self.server_thread: int | None = None
         self._shield = 0
@@ -77,6 +86,16 @@ class StopSignal:
             raise RunInterrupted(self.signame)
 
     @contextlib.contextmanager
+    def watching(self) -> Iterator["StopSignal"]:
+        """While the block runs, :func:`poll` in this thread checks this stop (loops deep inside the
+        server's work - attacks - stop at their next iteration without a reference to the run)."""
+        token = _watched.set(self)
+        try:
+            yield self
+        finally:
+            _watched.reset(token)
+
+    @contextlib.contextmanager
     def shielded(self, raise_pending: bool = True) -> Iterator[None]:
         """A section the first signal does not break into; a stop requested inside is raised at its end
         (``raise_pending``), or only recorded (the run's last step: it completes)."""
@@ -97,7 +116,7 @@ class StopSignal:
             print(f"\nfedsim: {name} again: aborting without a summary", file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.signame = name
-        print(f"\nfedsim: {name}: stopping after the last completed round (again to abort)",
+        print(f"\nfedsim: {name}: {self.notice} (again to abort)",
               file=sys.stderr, flush=True)
         in_server = self.server_thread == threading.get_ident()
         if in_server:
@@ -120,6 +139,14 @@ class StopSignal:
         for s, prev in self._previous.items():
             signal.signal(s, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
+
+
+def poll() -> None:
+    """A safe point for any long loop: raise :class:`RunInterrupted` if the stop this thread watches
+    (:meth:`StopSignal.watching`) was requested and is not shielded; a no-op when none is watched."""
+    stop = _watched.get()
+    if stop is not None:
+        stop.check()
 
 
 @contextlib.contextmanager

@@ -20,6 +20,10 @@ no-op when none is open), so an attack's iteration loop needs no reporter argume
 
 A task prints its first update, then at most one line every ``interval`` seconds
 (``FEDSIM_PROGRESS_INTERVAL``, default 2 s), and a final line when it closes.
+
+Every :func:`tick` is also a safe point for stopping: it calls :func:`fedsim.interrupt.poll`, which
+raises :class:`~fedsim.interrupt.RunInterrupted` when the run this thread works for was asked to stop
+(Ctrl-C, SIGTERM), whether or not a task is open or output is on.
 """
 from __future__ import annotations
 
@@ -30,6 +34,8 @@ import sys
 import threading
 import time
 from typing import Any, Iterator, TextIO
+
+from fedsim import interrupt
 
 QUIET, NORMAL, VERBOSE = 0, 1, 2
 PREFIX = "[fedsim]"
@@ -128,13 +134,13 @@ class Task:
         self.info: dict[str, Any] = {}
         self.lines = 0
 
-    def line(self, final: bool = False) -> str:
+    def line(self, final: bool = False, stopped: bool = False) -> str:
         elapsed = time.perf_counter() - self.t0
         count = f"{self.unit} {self.done}" + (f"/{self.total}" if self.total else "")
         parts = [self.label, count]
         parts += [f"{k} {_fmt(v)}" for k, v in self.info.items()]
         if final:
-            parts.append(f"done in {duration(elapsed)}")
+            parts.append(f"{'stopped after' if stopped else 'done in'} {duration(elapsed)}")
         else:
             parts.append(duration(elapsed))
             if self.total and self._first is not None and self.done > self._first[1]:
@@ -145,7 +151,7 @@ class Task:
 
     def update(self, done: int, **info: Any) -> None:
         self.done = int(done)
-        self.info.update(info)
+        self.info = dict(info)  # what the latest update says (one loop may follow another in a task)
         now = time.perf_counter()
         if self._first is None:
             self._first = (now, self.done)
@@ -154,9 +160,9 @@ class Task:
             self.lines += 1
             say(self.line())
 
-    def close(self) -> None:
-        if self.lines:  # a loop that printed something says when it ended
-            say(self.line(final=True))
+    def close(self, stopped: bool = False) -> None:
+        if self.lines:  # a loop that printed something says when it ended (or that it was stopped)
+            say(self.line(final=True, stopped=stopped))
 
 
 @contextlib.contextmanager
@@ -164,18 +170,24 @@ def task(label: str, total: int | None = None, unit: str = "it", every: float | 
     """Open a task for this thread; :func:`tick` inside the block updates it."""
     t = Task(label, total, unit, every)
     token = _task.set(t)
+    stopped = False
     try:
         yield t
+    except BaseException:
+        stopped = True
+        raise
     finally:
         _task.reset(token)
-        t.close()
+        t.close(stopped)
 
 
 def tick(done: int, total: int | None = None, **info: Any) -> None:
     """Progress of the innermost open task of this thread (no-op when none is open or output is off).
 
     Loops that nest (an attack's restarts) pass their own ``total``; the task keeps the first one it
-    was opened with unless it has none."""
+    was opened with unless it has none. Raises :class:`~fedsim.interrupt.RunInterrupted` when a stop
+    was requested (:func:`fedsim.interrupt.poll`)."""
+    interrupt.poll()
     t = _task.get()
     if t is None or not enabled():
         return

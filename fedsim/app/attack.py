@@ -37,8 +37,9 @@ def oneshot_config(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
-def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True) -> dict[str, Any]:
-    """Client 0 trains once from the seeded initial model (through the ClientApp); attack its update."""
+def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True, stop: Any = None) -> dict[str, Any]:
+    """Client 0 trains once from the seeded initial model (through the ClientApp); attack its update.
+    ``stop`` (a :class:`fedsim.interrupt.StopSignal`) ends the attack at its next iteration when requested."""
     from fedsim.app.client import client_app
     from fedsim.app.server import Server
     from fedsim.config import dump_toml
@@ -49,7 +50,7 @@ def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True) -> dict[s
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.toml", dump_toml(cfg))
     with torch_threads(int(cfg["simulation"].get("threads", 1))):  # attacks on a shared machine: 1 thread
-        server = Server(cfg, out, progress=progress, fixed_partitions=[VICTIM], checkpoint=False)
+        server = Server(cfg, out, progress=progress, fixed_partitions=[VICTIM], checkpoint=False, stop=stop)
         summary = server.run(InProcessGrid(client_app, cfg["federation"]["num_clients"]))
     rows = [r for obs in server.observers if obs.name == "curious-server" for r in obs.rows]
     if progress:
@@ -62,6 +63,23 @@ def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True) -> dict[s
 
 
 def _cmd_attack(args: argparse.Namespace) -> int:
+    """Ctrl-C (SIGINT) or SIGTERM stops the command at once (the attack at its next iteration) with exit
+    130 (143) and one line, as for ``fedsim run``; a second signal aborts without a summary."""
+    from fedsim.interrupt import RunInterrupted, StopSignal, handle_signals
+
+    stop = StopSignal(notice="stopping the attack")
+    stop.bind_current_thread()  # everything runs in this (the main) thread: the handler raises here
+    try:
+        with handle_signals(stop):
+            return _attack(args, stop)
+    except RunInterrupted as exc:
+        stopped = RunInterrupted(exc.signame)  # no "after round 0": the one round is the attacked one
+        if getattr(exc, "run_dir", None) is not None:
+            stopped.run_dir = exc.run_dir  # type: ignore[attr-defined]
+        raise stopped from None
+
+
+def _attack(args: argparse.Namespace, stop: Any) -> int:
     from fedsim.config import check_data
     from fedsim.reports import new_run_dir
     from fedsim.runfolder import RunFolderError, open_run_folder
@@ -79,11 +97,13 @@ def _cmd_attack(args: argparse.Namespace) -> int:
         if folder.action == "complete":
             print(f"[fedsim] {out} holds this attack, complete: nothing to do (--overwrite runs it again)")
         else:
-            run_oneshot(cfg, out, progress=not args.quiet)
-    except BaseException:
+            run_oneshot(cfg, out, progress=not args.quiet, stop=stop)
+    except BaseException as exc:
         done = (folder.path / "summary.json").exists()
         if folder.created and not done:
             folder.discard()
+        elif done and isinstance(exc, KeyboardInterrupt):
+            exc.run_dir = folder.path  # type: ignore[attr-defined]  # its summary says "interrupted"
         raise
     finally:
         folder.release()

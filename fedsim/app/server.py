@@ -345,7 +345,7 @@ class Server:
     def run(self, grid: Grid, started_at: float | None = None) -> dict[str, Any]:
         """All rounds on ``grid``. ``started_at`` (a ``time.perf_counter()`` value) is when the run was
         launched - before Ray started, say - so start-up counts from there (default: now)."""
-        with progress.suppressed(not self.progress):
+        with progress.suppressed(not self.progress), self.stop.watching():  # attack loops poll the stop
             return self._run(grid, started_at)
 
     def _run(self, grid: Grid, started_at: float | None) -> dict[str, Any]:
