@@ -34,16 +34,18 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .base import AttackInput
 
 BN_TARGETS = ("running", "victim", "update")
-_BN = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
 
 def bn_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The BatchNorm modules of ``model`` (name, module) in registration order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, _BN)]
+    """The BatchNorm modules of ``model`` (name, module) in registration order: every subclass of
+    PyTorch's ``_BatchNorm``, so also FedKL's ``KeyLockNorm`` (batch statistics, then the key-lock's
+    scale and shift), whose input statistics the prior constrains like any BatchNorm's."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
 
 
 def _moments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

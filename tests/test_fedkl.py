@@ -8,6 +8,9 @@ Measured on this machine (2 shared cores) while writing the tests; the threshold
   iterations); with FedKL, attacking the global model it sent, 0.047/0.066/0.082; with the victim's key
   handed to the attacker, 0.51/0.50/0.75: leakage returns, bounded by the scale ambiguity of a
   normalisation right after the first convolution (see docs/fedkl.md);
+* leakage on the LeNet with batch norm in every block (same setting): ``ig-bn`` with the BN statistics
+  read back from the update, victims 0-1, 300 iterations: 0.885 without FedKL, 0.147 with it, 0.937
+  with the key handed over;
 * accuracy (ReLU LeNet with batch norm, 5 IID clients, 10 rounds of 25 steps): FedAvg 0.816, FedKL
   with the clients' own keys 0.777 (mean of 0.762-0.790), random key + initial lock 0.128.
 """
@@ -20,6 +23,7 @@ import pytest
 import torch
 from flwr.app import MessageType
 
+from attacks.bn_prior import bn_layers
 from attacks.curious import CuriousServer
 from attacks.fedkl import FedKLKnowledge
 from fedsim.app.client import client_app
@@ -57,6 +61,7 @@ def test_key_lock_module_computes_gamma_and_beta_from_the_key(name, norm, shape)
     assert added and all(keylock.is_private(k) for k in added if not k.endswith(("running_mean", "running_var",
                                                                                   "num_batches_tracked")))
     assert {f"{first}.keylock_key", f"{first}.keylock_gamma.weight", f"{first}.keylock_beta.bias"} <= added
+    assert first in dict(bn_layers(model))  # the BN-statistics prior (ig-bn) sees the key-lock block too
     if norm != "none":  # a BatchNorm replaced: affine parameters dropped, statistics kept under their names
         assert set(base) - set(sd) == {f"{first}.weight", f"{first}.bias"}
         assert torch.equal(sd[f"{first}.running_var"], base[f"{first}.running_var"])
@@ -170,6 +175,37 @@ def test_no_key_and_no_lock_in_any_message(small_cfg, monkeypatch):
                                       last["features.1.keylock_gamma.weight"])
 
 
+def test_a_fedkl_round_on_resnet20_returns_no_lock(small_cfg, monkeypatch):
+    """Smoke test on a ResNet (one client, one round of two steps, through the real ClientApp): the reply
+    holds exactly the base ResNet-20's entries, the locked first BatchNorm's affine entries come back
+    unchanged (no client trains them) while the first convolution trains, and the key is in the
+    client's Context. (The server evaluates on 64 test images only, to keep it cheap.)"""
+    from fedsim.app import server as server_mod
+
+    full_eval = server_mod.evaluate
+    monkeypatch.setattr(server_mod, "evaluate", lambda m, x, y, device="cpu": full_eval(m, x[:64], y[:64], device))
+    cfg = small_cfg('model.name="resnet20"', "federation.num_clients=1", "federation.rounds=1",
+                    "train.local_steps=2", "train.batch_size=4",
+                    defenses=[{"name": "fedkl", "evaluate": "none", "key_length": 64}])
+    grid = InProcessGrid(client_app, 1)
+    run_server(grid, cfg, None, [], progress=False)
+    (reply,) = [r for r in grid.replies_seen if r.metadata.message_type == MessageType.TRAIN]
+    assert not reply.has_error()
+    base = model_for(cfg)
+    first = keylock.norm_layers(base)[0]
+    assert list(reply.content.array_records.keys()) == ["arrays"]
+    arrays = reply.content["arrays"]
+    assert list(arrays.keys()) == list(base.state_dict()) and not any(keylock.is_private(k) for k in arrays.keys())
+    (sent,) = [m for m in grid.messages_sent if m.metadata.message_type == MessageType.TRAIN]
+    before = sent.content["arrays"]
+    for k in (f"{first}.weight", f"{first}.bias"):
+        np.testing.assert_array_equal(arrays[k].numpy(), before[k].numpy())
+    conv = next(k for k in arrays.keys() if k.endswith("weight") and arrays[k].numpy().ndim == 4)
+    assert not np.array_equal(arrays[conv].numpy(), before[conv].numpy())
+    (ctx,) = grid.contexts.values()
+    np.testing.assert_array_equal(ctx.state[STATE_DEFENSES]["0.key"].numpy(), keylock.client_key(cfg["seed"], 0, 64))
+
+
 def test_lock_is_carried_across_rounds_by_flowers_context(small_cfg, monkeypatch):
     """With the ablation's extra arrays: round 1 starts from the initial (seeded) lock, each later round
     from the lock the same client ended the previous round with, and the lock trains (it changes)."""
@@ -194,9 +230,10 @@ def test_lock_is_carried_across_rounds_by_flowers_context(small_cfg, monkeypatch
 
 
 # ------------------------------------------------------------------------------------------ leakage
-# GRNN is left out: it trains a generator with RMSprop at lr 1e-4 and needs ~1,500-3,000 steps to recover
-# an image (docs/benchmarks.md "Attack strength"), 10-20x this test's budget; at 150 steps it reaches SSIM
-# ~0.67 without the key-lock, so the test would measure its budget, not FedKL
+# GRNN is left out here: it trains a generator with RMSprop at lr 1e-4 and needs ~1,500-3,000 steps to
+# recover an image (docs/benchmarks.md "Attack strength"), 10-20x this test's budget; at 150 steps it
+# reaches SSIM ~0.67 without the key-lock, so the test would measure its budget, not FedKL. The experiment
+# (experiments/fedkl.toml) runs it at 1,500 steps.
 ATTACK_NAMES = ["dlg", "idlg", "ig"]
 ITERATIONS = 150
 
@@ -250,11 +287,43 @@ def test_handing_the_key_to_the_attacker_brings_leakage_back(leakage, attack):
     assert leakage[("fedkl+key", attack)] >= leakage[("fedkl", attack)] + 0.3, leakage
 
 
+def test_bn_prior_attack_recovers_the_bn_lenet_without_the_key_lock_and_fails_with_it(tmp_path):
+    """The BN LeNet (batch norm in every block), where plain DLG/iDLG/IG stop short (a BN right after the
+    first convolution makes an image recoverable only up to scale): ``ig-bn`` with the BN statistics the
+    curious server reads back from the update's BN buffers pins that scale and recovers the images;
+    under FedKL the same attack on the global model it sent fails; with the victim's key (re-created,
+    never sent) it recovers them again - its BN prior then also covers the key-lock block. Victims 0 and
+    1, 300 iterations: measured mean SSIM 0.885 / 0.147 / 0.937 (experiments/fedkl.toml, 4 victims at
+    1000 iterations: 0.948 / 0.196 / 0.986)."""
+    from conftest import make_small_cfg
+
+    sets = ['model.activation="tanh"', 'model.norm="batch"', "federation.num_clients=4", "federation.rounds=1",
+            "train.batch_size=1", "train.local_steps=1", "train.lr=0.1", "attack.rounds=[1]",
+            "attack.victims=[0, 1]"]
+    params = {"ig-bn": {"iterations": 300, "bn_target": "update"}}
+    ssim: dict[str, float] = {}
+    for case, defenses, knowledges in [("none", [], {"none": []}),
+                                       ("fedkl", [{"name": "fedkl", "evaluate": "none"}],
+                                        {"fedkl": [], "fedkl+key": [{"name": "fedkl", "key": True}]})]:
+        cfg = make_small_cfg(*sets, defenses=defenses, attack__name="ig-bn", attack__params=params,
+                             output__dir=str(tmp_path))
+        servers = {label: CuriousServer.from_config({**cfg, "attack": {**cfg["attack"], "knowledge": k}})
+                   for label, k in knowledges.items()}
+        run_experiment(cfg, out=tmp_path / case, observers=list(servers.values()), progress=False)
+        for label, s in servers.items():
+            assert sorted(r["client"] for r in s.rows) == [0, 1]
+            ssim[label] = float(np.mean([r["ssim"] for r in s.rows]))
+    assert ssim["none"] >= 0.8, ssim  # measured 0.885
+    assert ssim["fedkl"] < 0.2, ssim  # measured 0.147
+    assert ssim["fedkl+key"] >= 0.8 and ssim["fedkl+key"] >= ssim["fedkl"] + 0.5, ssim  # measured 0.937
+
+
 def test_granted_knowledge_reproduces_the_victims_gradient(small_cfg, recorder, tmp_path):
     """FedSGD makes the threat model checkable exactly: -update / lr is the victim's gradient. With key
     and leaked lock the attacker's model gives that gradient on the true image for every matched
-    parameter (lock layers included); with the key alone for the base parameters; on the plain global
-    model (no knowledge) the base parameters' gradients do not match."""
+    parameter (lock layers included); with the key alone for the base parameters; with the lock alone
+    (leaked start weights and update installed and matched, the attacker's own key) and on the plain
+    global model (no knowledge) the gradients do not match."""
     from torch.nn import functional as F
 
     cfg = small_cfg('model.activation="tanh"', "federation.rounds=1", "federation.num_clients=2",
@@ -276,6 +345,21 @@ def test_granted_knowledge_reproduces_the_victims_gradient(small_cfg, recorder, 
     assert any(keylock.is_private(n) for n in both) and max(both.values()) < 1e-3, both
     key_only = residual(FedKLKnowledge(cfg=cfg, key=True).grant(base, upd))
     assert not any(keylock.is_private(n) for n in key_only) and max(key_only.values()) < 1e-3, key_only
+    # the lock alone (Table 5.7's "Lock"): the leaked start weights and update of the lock layers are
+    # installed and matched, but the attacker's own random key does not give the victim's gradient
+    lock_inp = FedKLKnowledge(cfg=cfg, lock=True).grant(base, upd)
+    lock_model = lock_inp.model_fn()
+    block = keylock.locked_blocks(lock_model)[0]
+    victim_key = keylock.client_key(cfg["seed"], 1, 128)
+    assert not np.array_equal(getattr(lock_model.get_submodule(block), keylock.KEY).numpy(), victim_key)
+    for n, v in keylock.lock_entries(lock_model).items():
+        start, end = upd.extras[keylock.LEAK_START + n], upd.extras[keylock.LEAK_END + n]
+        np.testing.assert_array_equal(v.numpy(), start)
+        np.testing.assert_allclose(lock_inp.update[n].numpy(), end - start, rtol=0, atol=1e-7)
+    lock_only = residual(lock_inp)
+    assert {n for n in lock_only if keylock.is_private(n)} == set(keylock.lock_entries(lock_model))
+    # (measured relative residuals 0.060, 0.105, 0.168: 60-170x the key's bound above)
+    assert min(lock_only[n] for n in ("features.0.weight", "features.3.weight", "fc.weight")) > 0.03, lock_only
     plain = residual(base)
     assert plain["features.0.weight"] > 0.1, plain
 
@@ -297,7 +381,8 @@ def test_own_key_accuracy_is_close_to_fedavg_and_a_random_key_is_not(small_cfg, 
     run_server(grid, cfg, tmp_path / "fedkl", build_observers(cfg), progress=False)
     last = read_jsonl(tmp_path / "fedkl" / "metrics.jsonl")[-1]
     own, rnd = last["fedkl.own_key_accuracy_mean"], last["fedkl.random_key_accuracy"]
-    assert abs(acc_fedavg - own) < 0.07, (acc_fedavg, own)  # measured 0.816 vs 0.777
+    # "within a few points" (the experiment's claim margin): measured 0.816 vs 0.7772, 3.9 points apart
+    assert abs(acc_fedavg - own) < 0.05, (acc_fedavg, own)
     assert own > rnd + 0.4, (own, rnd)  # measured 0.777 vs 0.128
     ds = dataset_for(cfg)
     # the random-key number, recomputed from model.pt
@@ -337,6 +422,10 @@ def test_the_fedkl_sweep_file_is_valid():
     _, variants = load_sweep(Path(__file__).resolve().parents[1] / "experiments" / "fedkl.toml")
     cfgs = dict(variants)
     assert len(cfgs) == 13
+    assert all(c["attack"]["name"][:4] == ["dlg", "idlg", "ig", "grnn"] for k, c in cfgs.items() if k.startswith("leak"))
+    bn = [c for k, c in cfgs.items() if k.startswith("leak") and "BN LeNet" in k]
+    assert len(bn) == 3 and all(c["attack"]["name"][-1] == "ig-bn" and c["attack"]["params"]["ig-bn"]["bn_target"]
+                                == "update" for c in bn)
     lock = cfgs["leak: FedKL, LeNet, key and lock shared"]
     assert lock["defenses"][0]["leak_lock"] is True and lock["attack"]["knowledge"] == [
         {"name": "fedkl", "key": True, "lock": True}]
