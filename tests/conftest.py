@@ -26,6 +26,12 @@ import pytest
 from fedsim.app import load_config
 from fedsim.observers import ClientUpdate, Observer
 
+
+def child_pythonpath() -> str:
+    """PYTHONPATH for a ``python -m fedsim`` child process: this checkout first, then whatever the
+    environment already had (a venv-less machine may install the dependencies through PYTHONPATH)."""
+    return os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+
 SMALL_SETTINGS: dict[str, Any] = {
     "name": "test",
     "federation.num_clients": 4,

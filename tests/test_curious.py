@@ -291,7 +291,7 @@ def test_bn_statistics_knowledge_grants_the_victims_batch_statistics(tmp_path):
     inp = CuriousServer.from_config(cfg).attack_input(upd)
     x, y = client_data(cfg, 0)
     first = batch_schedule(cfg["seed"], 1, 0, len(y), Recipe.from_mapping(upd.recipe))[0]
-    want = batch_bn_stats(inp.global_model(), x[torch.as_tensor(first)])
+    want = batch_bn_stats(inp.global_model(), x[torch.as_tensor(first)].to(inp.device))
     assert set(inp.bn_stats) == set(want) and len(want) == 3
     for k, (m, v) in want.items():
         torch.testing.assert_close(inp.bn_stats[k][0], m)

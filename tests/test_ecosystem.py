@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import RecordingObserver, child_pythonpath, make_small_cfg
 from scipy import stats
 
 from fedsim.app.cli import main as cli_main
 from fedsim.components import ConfigError
 from fedsim.reports import read_jsonl
-from tests.conftest import RecordingObserver, make_small_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "examples" / "my_plugins.py"
@@ -33,8 +33,9 @@ EXAMPLE = ROOT / "docs" / "examples" / "my_plugins.py"
 
 def plugin_cfg(*sets, **overrides):
     """make_small_cfg without the small settings' model.activation (a user's model takes none)."""
+    from conftest import small_sets
+
     from fedsim.app import load_config
-    from tests.conftest import small_sets
 
     return load_config(None, [s for s in small_sets(*sets, **overrides) if not s.startswith("model.activation=")])
 
@@ -511,7 +512,7 @@ def test_attack_command_shows_progress_while_it_runs_and_stops_on_ctrl_c(tmp_pat
     while the process is still running, not only at the end; Ctrl-C (SIGINT) in the middle of the attack
     ends it at once with exit 130, one line and no traceback (the attack would otherwise run for minutes).
     Running to the end is checked in-process (tests/test_curious.py)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "FEDSIM_PROGRESS_INTERVAL": "0.2"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "FEDSIM_PROGRESS_INTERVAL": "0.2"}
     proc = subprocess.Popen([sys.executable, "-m", "fedsim", "attack", "--attack", "idlg", "--out",
                              str(tmp_path / "a"), "--set", "attack.params.idlg.iterations=100000",
                              "--set", "attack.params.idlg.patience=100000", "--set", "attack.params.idlg.threshold=0.0"],
@@ -607,7 +608,7 @@ def test_help_and_version_do_not_import_torch():
     code = ("import sys\nfrom fedsim.app.cli import build_parser\np = build_parser()\n"
             "try:\n    p.parse_args(['--version'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+                         env={**os.environ, "PYTHONPATH": child_pythonpath()}, timeout=60)
     assert res.stdout.strip().splitlines() == ["fedsim 0.1.0", "False"], res.stdout + res.stderr
 
 

@@ -337,9 +337,10 @@ def test_granted_knowledge_reproduces_the_victims_gradient(small_cfg, recorder, 
     def residual(inp):
         model = inp.global_model().train()
         names = [n for n, p in model.named_parameters() if p.requires_grad]
-        grads = torch.autograd.grad(F.cross_entropy(model(x), y), [dict(model.named_parameters())[n] for n in names])
+        loss = F.cross_entropy(model(x.to(inp.device)), y.to(inp.device))
+        grads = [g.cpu() for g in torch.autograd.grad(loss, [dict(model.named_parameters())[n] for n in names])]
         scale = max(float(g.abs().max()) for g in grads)  # (a conv bias before a normalisation has ~0 gradient)
-        return {n: float((g + inp.update[n] / 0.1).abs().max()) / scale for n, g in zip(names, grads)}
+        return {n: float((g + inp.update[n].cpu() / 0.1).abs().max()) / scale for n, g in zip(names, grads)}
 
     both = residual(FedKLKnowledge(cfg=cfg, key=True, lock=True).grant(base, upd))
     assert any(keylock.is_private(n) for n in both) and max(both.values()) < 1e-3, both

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import child_pythonpath
 
 import fedsim.app.client as client_module
 from fedsim.app import load_config
@@ -106,7 +107,7 @@ def same_run(a: Path, b: Path) -> None:
 
 # ==================================================================================== (1) interrupts
 def _env(ray_tmp: Path, tmp: Path) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", RAY_TMPDIR=str(ray_tmp),
+    return dict(os.environ, PYTHONPATH=child_pythonpath(), OMP_NUM_THREADS="1", RAY_TMPDIR=str(ray_tmp),
                 FLWR_HOME=str(tmp / "flwr-home"), RAY_USAGE_STATS_ENABLED="0", FLWR_TELEMETRY_ENABLED="0",
                 RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0", RAY_DEDUP_LOGS="0")
 
