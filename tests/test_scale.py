@@ -142,3 +142,48 @@ def test_ray_reaches_every_partition_of_a_large_federation(small_cfg, tmp_path, 
     summary = json.loads((out / "summary.json").read_text())
     assert summary["clients"] == 2000 and summary["nodes"] == 200 and summary["client_failures"] == 0
     assert sorted(u.client_id for u in recorder.by_round()[1]) == list(range(2000))
+
+
+# ------------------------------------------------------------------------------ no-defense fast path
+class _NoOp(Defense):
+    """Overrides nothing: its pipeline runs every hook (context, generator, sub-states) and changes nothing."""
+
+    name = "test-no-op"
+
+
+@pytest.mark.parametrize("recipe", [dict(lr=0.05, batch_size=4, local_steps=3),
+                                    dict(lr=0.05, batch_size=4, local_epochs=1, momentum=0.9, weight_decay=1e-3,
+                                         proximal_mu=0.1)])
+def test_no_defense_fast_path_is_bit_identical_to_the_pipeline(monkeypatch, recipe):
+    """local_train without defenses skips the pipeline (no context, generator or hooks) and returns the
+    same bits as the hook path (a pipeline of one do-nothing defense), BatchNorm buffers included."""
+    import fedsim.training as training
+    from fedsim.defense import DefensePipeline
+    from fedsim.models import build_model
+    from fedsim.training import Recipe, local_train
+
+    bound = []
+    real = training._bind_pipeline
+    monkeypatch.setattr(training, "_bind_pipeline", lambda *a, **k: bound.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.rand(12, 1, 28, 28, generator=g), torch.randint(0, 10, (12,), generator=g)
+    torch.manual_seed(3)
+    init = build_model("mlp", (1, 28, 28), 10, hidden=[8], norm="batch").state_dict()
+
+    def train(pipeline):
+        net = build_model("mlp", (1, 28, 28), 10, hidden=[8], norm="batch")
+        net.load_state_dict(init)
+        return local_train(net, x, y, Recipe(**recipe), seed=5, round=2, client=1, pipeline=pipeline,
+                           state={"kept": np.ones(2)})
+
+    fast, empty = train(None), train(DefensePipeline([]))
+    assert bound == []  # neither went through the pipeline
+    hooks = train(DefensePipeline([_NoOp()]))
+    assert bound == [1]
+    for res in (fast, empty):
+        assert len(res.weights) == len(hooks.weights) == len(init)
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(res.weights, hooks.weights))
+        strip = lambda m: {k: v for k, v in m.items() if k != "train_seconds"}  # noqa: E731
+        assert strip(res.metrics) == strip(hooks.metrics) and res.state == hooks.state == {}
+        assert res.extras == hooks.extras == {}
+    assert not np.array_equal(fast.weights[0], init[next(iter(init))].numpy())  # it trained
