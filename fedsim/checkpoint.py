@@ -38,7 +38,7 @@ FORMAT = 1
 
 # config keys that do not change a run's results: a run may be resumed with other values
 VOLATILE_KEYS = ("simulation.backend", "simulation.num_cpus", "simulation.num_gpus", "simulation.ray_address",
-                 "output.dir")
+                 "simulation.discovery_timeout", "output.dir")
 
 
 class CheckpointError(ValueError):
