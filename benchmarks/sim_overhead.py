@@ -13,7 +13,9 @@ Variants:
   ``fedsim.training.local_train`` on the same partitions, the example-weighted mean, the central
   evaluation - the work of a round without any framework;
 * ``fedsim in-process``: ``run_experiment`` on the in-process grid (the real ClientApp, engine,
-  channel, observers; no transport), 1 torch thread;
+  channel; no transport), 1 torch thread, no observers (``output.observers = []``);
+* ``fedsim in-process, update-norms``: the same with the default observers (``output.observers =
+  ["update-norms"]``: every reply's update norm computed and appended to ``updates.jsonl``);
 * ``plain Flower on Ray``: a minimal Flower Message-API app (Flower's own ``FedAvg.start`` and
   ``run_simulation``; a ClientApp that calls the same ``local_train``) - what Flower + Ray cost with
   no fedsim in between;
@@ -23,7 +25,8 @@ Columns: ``round s`` median and range; ``compute s``: the clients' own training 
 (``train_seconds`` measured inside ``local_train``); ``framework s`` = round - compute / parallel
 clients; ``start-up s``: from the variant's start to the end of round 1, minus one median round (Ray
 and actor start-up plus round 1's first-backward warm-up). ``per-message ms`` (in-process only) =
-(fedsim in-process round - plain loop round) / clients: fedsim's own cost per client message.
+(fedsim in-process round - plain loop round) / clients: fedsim's own cost per client message, printed
+without observers and with the default observers.
 
     python benchmarks/sim_overhead.py [--rounds 5] [--clients 10] [--repeats 3] [--skip-ray]
 """
@@ -50,11 +53,12 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-def make_cfg(args, out_dir: Path, backend: str) -> dict:
+def make_cfg(args, out_dir: Path, backend: str, observers: str = "[]") -> dict:
     from fedsim.app import load_config
 
     return load_config(ROOT / "experiments" / "default.toml", [
-        f"federation.rounds={args.rounds}", f"federation.num_clients={args.clients}", "output.observers=[]",
+        f"federation.rounds={args.rounds}", f"federation.num_clients={args.clients}",
+        f"output.observers={observers}",
         f'output.dir="{out_dir}"', f'simulation.backend="{backend}"', 'device="cpu"', f"seed={args.seed}"])
 
 
@@ -110,12 +114,13 @@ def compute_observer():
 
 
 def fedsim_run(cfg: dict, out: Path, parallel: int) -> dict:
-    from fedsim.app.runner import run_experiment
+    """A fedsim run with the observers its config names (``output.observers``) plus the compute one."""
+    from fedsim.app.runner import build_observers, run_experiment
     from fedsim.reports import read_jsonl
 
     obs = compute_observer()
     t0 = time.perf_counter()
-    run_dir = run_experiment(cfg, out=out, observers=[obs], progress=False)
+    run_dir = run_experiment(cfg, out=out, observers=[*build_observers(cfg), obs], progress=False)
     wall = time.perf_counter() - t0
     rows = read_jsonl(run_dir / "metrics.jsonl")
     ends, acc = [], 0.0
@@ -215,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     actors = max(1, min(args.clients, os.cpu_count() or 1))
-    variants = ["plain torch loop (1 thread)", "fedsim in-process (1 thread)"]
+    variants = ["plain torch loop (1 thread)", "fedsim in-process (1 thread)",
+                "fedsim in-process, update-norms (1 thread)"]
     if not args.skip_ray:
         variants += ["plain Flower on Ray", "fedsim on Ray"]
     results: dict[str, list[dict]] = {v: [] for v in variants}
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         os.environ.setdefault("RAY_TMPDIR", str(tmp))
         cfg = make_cfg(args, tmp, "inprocess")
+        cfg_norms = make_cfg(args, tmp, "inprocess", '["update-norms"]')
         print(f"fedsim sim_overhead: {args.clients} clients, {args.rounds} rounds x {args.repeats} repeats, "
               f"LeNet/{cfg['model']['activation']} on {cfg['data']['dataset']}, lr {cfg['train']['lr']}, "
               f"batch {cfg['train']['batch_size']}, {cfg['train']['local_epochs']} local epochs; rounds >= "
@@ -232,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
                 if v.startswith("plain torch"):
                     res = plain_loop(cfg)
                     res["round1_end"] = res["rows"][0]["end"]
+                elif v.startswith("fedsim in-process, update-norms"):
+                    res = fedsim_run(cfg_norms, tmp / f"inproc-norms-{rep}", 1)
                 elif v.startswith("fedsim in-process"):
                     res = fedsim_run(cfg, tmp / f"inproc-{rep}", 1)
                 elif v.startswith("plain Flower"):
@@ -262,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {v} | {t['median']:.3f} | {t['min']:.3f}-{t['max']:.3f} | {comp} | {frame} | "
               f"{t['median'] / base:.2f}x | {t['startup']:.2f} | {t['acc']:.4f} |")
     inproc = table["fedsim in-process (1 thread)"]["median"]
+    norms = table["fedsim in-process, update-norms (1 thread)"]["median"]
     print(f"\nfedsim per-message overhead (in-process - plain loop) / clients: "
-          f"{(inproc - base) / args.clients * 1e3:.2f} ms")
+          f"{(inproc - base) / args.clients * 1e3:.2f} ms without observers, "
+          f"{(norms - base) / args.clients * 1e3:.2f} ms with the default observers (update-norms)")
     if "fedsim on Ray" in table:
         print(f"fedsim on Ray / plain Flower on Ray: {table['fedsim on Ray']['median'] / table['plain Flower on Ray']['median']:.2f}x")
         print(f"ideal {actors}-way parallel plain loop: {base / actors:.3f} s/round")

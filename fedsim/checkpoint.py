@@ -38,7 +38,7 @@ FORMAT = 1
 
 # config keys that do not change a run's results: a run may be resumed with other values
 VOLATILE_KEYS = ("simulation.backend", "simulation.num_cpus", "simulation.num_gpus", "simulation.ray_address",
-                 "output.dir")
+                 "simulation.discovery_timeout", "output.dir")
 
 
 class CheckpointError(ValueError):
@@ -155,10 +155,16 @@ def write_checkpoint(path: str | Path, ckpt: Checkpoint) -> None:
     from fedsim.reports import atomic_write_bytes
 
     arrays: dict[str, np.ndarray] = {}
+    # every checkpoint holds every failure of the run so far: each distinct reason (up to 2,000 characters
+    # of traceback, usually the same for a client failing round after round, or for every timed-out
+    # node) is stored once and the failures refer to it by index
+    reasons: dict[str, int] = {}
+    failures = [{**f, "reason": reasons.setdefault(f["reason"], len(reasons))} if isinstance(f.get("reason"), str)
+                else f for f in ckpt.failures]
     meta = {"format": FORMAT, "round": int(ckpt.round), "identity": ckpt.identity,
             "components": pack(ckpt.components, arrays), "rng": pack(ckpt.rng, arrays),
-            "failures": ckpt.failures, "seconds": float(ckpt.seconds), "resumed": list(ckpt.resumed),
-            "global": len(ckpt.arrays)}
+            "failures": failures, "failure_reasons": list(reasons), "seconds": float(ckpt.seconds),
+            "resumed": list(ckpt.resumed), "global": len(ckpt.arrays)}
     for i, a in enumerate(ckpt.arrays):
         arrays[f"global.{i}"] = np.ascontiguousarray(a)
     arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
@@ -176,9 +182,12 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         if meta.get("format") != FORMAT:
             raise CheckpointError(f"checkpoint {p} has format {meta.get('format')!r}; this fedsim reads {FORMAT}")
         glob = [arrays.pop(f"global.{i}") for i in range(int(meta["global"]))]
+        reasons = meta.get("failure_reasons", [])
+        failures = [{**f, "reason": reasons[f["reason"]]} if reasons and isinstance(f.get("reason"), int) else f
+                    for f in meta.get("failures", [])]
         return Checkpoint(round=int(meta["round"]), identity=str(meta["identity"]), arrays=glob,
                           components=unpack(meta["components"], arrays), rng=unpack(meta["rng"], arrays),
-                          failures=list(meta.get("failures", [])), seconds=float(meta.get("seconds", 0.0)),
+                          failures=failures, seconds=float(meta.get("seconds", 0.0)),
                           resumed=[int(r) for r in meta.get("resumed", [])])
     except CheckpointError:
         raise

@@ -37,6 +37,7 @@ class Field:
     min: float | None = None
     max: float | None = None
     nullable: bool = False
+    above_min: bool = False  # the value must be strictly greater than ``min``
     help: str = ""
 
     def allowed(self) -> Sequence[Any] | None:
@@ -108,6 +109,9 @@ SCHEMA: dict[str, Field] = {
     "simulation.num_cpus": Field(int, 1, min=1, help="CPUs per client actor"),
     "simulation.clients_per_node": Field(int, 1, min=1, help="virtual clients (partitions) each simulated "
                                          "node serves; >1 cuts Flower's per-message cost at scale"),
+    "simulation.discovery_timeout": Field(NUM, 120.0, min=0, above_min=True,
+                                          help="seconds the server waits for every client node to register "
+                                          "before the run fails naming how many did"),
     "simulation.num_gpus": Field(NUM, 0.0, min=0.0, help="GPUs per client actor (fractions allowed)"),
     "simulation.ray_address": Field(str, None, nullable=True, help="join an existing Ray cluster"),
     "simulation.threads": Field(int, 1, min=0, help="torch threads of the fedsim process (server, attacks, "
@@ -245,8 +249,8 @@ def _check_field(key: str, f: Field, v: Any) -> None:
         raise ConfigError(f"{key} must be one of {list(choices)}, got {v!r}")
     if isinstance(v, float) and not math.isfinite(v):
         raise ConfigError(f"{key} must be a finite number, got {v!r}")
-    if f.min is not None and v < f.min:
-        raise ConfigError(f"{key} must be >= {f.min}, got {v!r}")
+    if f.min is not None and (v <= f.min if f.above_min else v < f.min):
+        raise ConfigError(f"{key} must be {'>' if f.above_min else '>='} {f.min}, got {v!r}")
     if f.max is not None and v > f.max:
         raise ConfigError(f"{key} must be <= {f.max}, got {v!r}")
 

@@ -1,8 +1,9 @@
 """Exports for other tools: CSV files next to the JSONL ones, and TensorBoard event files.
 
-* :func:`write_csv` - rows (dicts) as CSV, columns in first-seen order, written atomically. Every run
-  writes ``metrics.csv`` next to ``metrics.jsonl``; sweeps write ``sweep.csv``; the curious server
-  ``leakage.csv``; ``fedsim compare`` ``comparison.csv``.
+* :func:`write_csv` - rows (dicts) as CSV, columns in first-seen order, written atomically. Sweeps
+  write ``sweep.csv``; the curious server ``leakage.csv``; ``fedsim compare`` ``comparison.csv``.
+* :class:`CsvLog` - ``metrics.csv`` next to ``metrics.jsonl``: grows by whole lines, rewritten
+  (atomically) only when a row brings a new column.
 * :class:`EventWriter` - TensorBoard's event-file format (TFRecord framing of ``Event`` protocol
   buffers with scalar summaries), written directly, so TensorBoard can read a run without fedsim
   depending on TensorFlow, tensorboard or tensorboardX. The ``tensorboard`` observer
@@ -61,6 +62,38 @@ def write_csv(path: str | Path, rows: Sequence[Mapping[str, Any]], columns: Sequ
     from fedsim.reports import atomic_write_text
 
     atomic_write_text(path, csv_text(rows, columns))
+
+
+class CsvLog:
+    """A CSV file that mirrors a growing list of rows (``metrics.csv``): each new row is appended as one
+    whole line (one ``write``, flushed, as :func:`fedsim.reports.append_jsonl` does), so a round costs
+    one line, not the whole file. Only when a row brings a column the header lacks is the file
+    rewritten, atomically, with the columns in first-seen order. At every step the file holds exactly
+    what :func:`write_csv` of all the rows would write."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.columns: list[str] | None = None  # the header of the file as this object last wrote it
+        self.rewrites = 0  # whole-file writes (the first one, and one per new column set)
+
+    def write(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """Rewrite the file with ``rows`` (the start of a run, a resumed run's rows, new columns)."""
+        self.columns = csv_columns(rows)
+        write_csv(self.path, rows, self.columns)
+        self.rewrites += 1
+
+    def append(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """``rows`` is every row so far; its last row is the new one."""
+        row = rows[-1]
+        known = set(self.columns or ())
+        if self.columns is None or any(k not in known for k in row) or not self.path.exists():
+            self.write(rows)
+            return
+        buf = io.StringIO()
+        csv.writer(buf, lineterminator="\n").writerow([_cell(row.get(c)) for c in self.columns])
+        with open(self.path, "a", encoding="utf-8", newline="") as fh:
+            fh.write(buf.getvalue())
+            fh.flush()
 
 
 # ============================================================================== TensorBoard

@@ -171,10 +171,14 @@ class RoundEngine:
             c.setup(self.param_names, cfg)
 
     # ---- discovery ---------------------------------------------------------------------------------
-    def discover(self, grid: Grid, wait: float = 120.0, poll: float = 0.05) -> dict[int, int]:
-        """Wait until every node the federation needs is registered, then ask each which partitions it
-        serves; every partition must be served. Raises :class:`DiscoveryError` naming what is missing.
-        Returns the partition -> node map."""
+    WARMUP_QUERIES = 8  # discovery asks this many nodes before the others (see discover)
+
+    def discover(self, grid: Grid, wait: float | None = None, poll: float = 0.05) -> dict[int, int]:
+        """Wait until every node the federation needs is registered (at most ``wait`` seconds, default
+        ``simulation.discovery_timeout``), then ask each which partitions it serves; every partition must
+        be served. Raises :class:`DiscoveryError` naming what is missing. Returns the partition -> node map."""
+        if wait is None:
+            wait = float(self.cfg.get("simulation", {}).get("discovery_timeout", 120.0))
         clients = int(self.cfg["federation"]["num_clients"])
         expected = num_nodes(clients, self.clients_per_node)
         deadline = time.monotonic() + wait
@@ -185,16 +189,22 @@ class RoundEngine:
         if len(nodes) < expected:
             raise DiscoveryError(f"only {len(nodes)} of the {expected} client nodes the federation needs "
                                  f"(federation.num_clients = {clients}, simulation.clients_per_node = "
-                                 f"{self.clients_per_node}) registered within {wait:.0f} s")
+                                 f"{self.clients_per_node}) registered within {wait:g} s "
+                                 "(simulation.discovery_timeout)")
         content = RecordDict({CONFIG: train_config(self.cfg, 0)})
         record = RoundRecord(0)
-        msgs = [Message(content, dst_node_id=n, message_type=QUERY) for n in nodes]
-        for reply in self._send(grid, msgs, "query", 0, record, {}):
-            m = reply.content[METRICS]
-            hosted = [int(p) for p in m[HOSTED_PARTITIONS]] if HOSTED_PARTITIONS in m else [int(m[PARTITION_ID])]
-            self.node_partitions[reply.metadata.src_node_id] = hosted
-            for p in hosted:
-                self.partition_node[p] = reply.metadata.src_node_id
+        # A few nodes first, then the rest: the first messages wait while the engine starts its client
+        # workers (Ray, the actors' imports), and Flower's simulation engine rescans every pending
+        # message once per node while they wait (nodes x messages per pass, holding the interpreter).
+        # Measured with 1,000 one-client nodes under load: 65 s for all at once, 12 s once warm.
+        for batch in (nodes[:self.WARMUP_QUERIES], nodes[self.WARMUP_QUERIES:]):
+            msgs = [Message(content, dst_node_id=n, message_type=QUERY) for n in batch]
+            for reply in self._send(grid, msgs, "query", 0, record, {}) if msgs else ():
+                m = reply.content[METRICS]
+                hosted = [int(p) for p in m[HOSTED_PARTITIONS]] if HOSTED_PARTITIONS in m else [int(m[PARTITION_ID])]
+                self.node_partitions[reply.metadata.src_node_id] = hosted
+                for p in hosted:
+                    self.partition_node[p] = reply.metadata.src_node_id
         missing = sorted(set(range(clients)) - set(self.partition_node))
         if missing:
             first = record.failures[0]["reason"].splitlines()[-1] if record.failures else "no failure recorded"

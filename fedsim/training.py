@@ -271,22 +271,25 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
     lacks is returned unchanged; entries only the adapted model has are client-private and never
     returned). Returns the weights to send (global + the possibly-defended update), the training
     metrics, the defenses' new state and their extra reply arrays.
+
+    Without defenses (``pipeline`` None or empty) no defense context, generator or hook runs: the
+    result is bit-identical to running the hooks of a pipeline whose defenses do nothing.
     """
     t0 = time.perf_counter()
     device = torch.device(device)
     model.to(device).train()
-    pipeline = pipeline or DefensePipeline([])
-    sd0 = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sd0 = {k: v.detach().clone() for k, v in model.state_dict().items()}  # the global model: the update's base
     names = tuple(sd0)
-    gen = torch.Generator(device="cpu").manual_seed(derive_seed(seed, round, client, 0xDEF))
-    ctx = DefenseContext(round, client, gen, names, recipe.to_mapping(), dict(state or {}), device, public_data,
-                         num_examples=len(y), incoming=dict(incoming or {}))
-    runner = pipeline.run_round(ctx)
-    adapted = runner.adapt_model(model)
-    if adapted is not model:
-        model = adapted.to(device).train()
+    # No defense: no defense context, generator or hooks (bit-identical to running the empty pipeline's hooks)
+    runner = _bind_pipeline(pipeline, seed, round, client, names, recipe, state, device, public_data, len(y),
+                            incoming) if pipeline is not None and len(pipeline) else None
+    if runner is not None:
+        adapted = runner.adapt_model(model)
+        if adapted is not model:
+            model = adapted.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
-    runner.setup(model)
+    if runner is not None:
+        runner.setup(model)
     loss_fn = loss_function(loss)
     anchors = [p.detach().clone() for p in params] if recipe.proximal_mu else []  # w_global (FedProx)
     buffers: list[torch.Tensor | None] = [None] * len(params)  # momentum buffers (fresh every round)
@@ -295,7 +298,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
         steps += 1
         ti = torch.as_tensor(idx)
         xb, yb = x[ti].to(device), y[ti].to(device)
-        grads = runner.compute_gradient(model, loss_fn, xb, yb)
+        grads = runner.compute_gradient(model, loss_fn, xb, yb) if runner is not None else None
         out = None
         if grads is not None:  # the defense computed the gradient: a forward for the metrics only, which
             out = _forward_without_side_effects(model, xb)  # must not update BatchNorm statistics again
@@ -306,7 +309,8 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
             grads = list(torch.autograd.grad(loss, params))
         else:
             loss = loss_fn(out, yb)
-        grads = runner.transform_gradient(grads)
+        if runner is not None:
+            grads = runner.transform_gradient(grads)
         with torch.no_grad():
             if recipe.plain_sgd:
                 for p, g in zip(params, grads):
@@ -316,21 +320,40 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
         total_loss += float(loss.detach()) * len(idx)
         total_correct += int((out.detach().argmax(1) == yb).sum())
         seen += len(idx)
-    runner.end_round(model)
+    if runner is not None:
+        runner.end_round(model)
     # update over the global entries (parameters and buffers, e.g. BatchNorm statistics)
     sd1 = model.state_dict()
     update = [(sd1[k].detach() - sd0[k]).float() if k in sd1 else torch.zeros_like(sd0[k], dtype=torch.float32)
               for k in names]
-    update = runner.transform_update(update)
+    if runner is not None:
+        update = runner.transform_update(update)
     weights = [(sd0[k].float() + u.to(sd0[k].device)).to(sd0[k].dtype).cpu().numpy()
                for k, u in zip(names, update)]
-    new_state, dmetrics = runner.finish()
-    declared = pipeline.noise_variance()  # per-entry variance of noise the defenses added (if declared)
-    if declared is not None:
-        dmetrics[NOISE_VARIANCE] = declared
+    new_state: dict[str, np.ndarray] = {}
+    dmetrics: dict[str, float] = {}
+    extras: dict[str, np.ndarray] = {}
+    if runner is not None:
+        new_state, dmetrics = runner.finish()
+        declared = runner.pipe.noise_variance()  # per-entry variance of noise the defenses added (if declared)
+        if declared is not None:
+            dmetrics[NOISE_VARIANCE] = declared
+        extras = runner.reply_extras()
     metrics = {TRAIN_LOSS: total_loss / max(seen, 1), TRAIN_ACCURACY: total_correct / max(seen, 1),
                "local_steps": float(steps), "train_seconds": time.perf_counter() - t0, **dmetrics}
-    return TrainResult(weights, len(y), metrics, new_state, runner.reply_extras())
+    return TrainResult(weights, len(y), metrics, new_state, extras)
+
+
+def _bind_pipeline(pipeline: DefensePipeline, seed: int, round: int, client: int, names: tuple[str, ...],
+                   recipe: Recipe, state: dict[str, np.ndarray] | None, device: torch.device,
+                   public_data: tuple[torch.Tensor, torch.Tensor] | None, num_examples: int,
+                   incoming: Mapping[str, np.ndarray] | None) -> Any:
+    """The pipeline bound to this round: its context (with the generator seeded from (seed, round,
+    client)) and the defenses' sub-states."""
+    gen = torch.Generator(device="cpu").manual_seed(derive_seed(seed, round, client, 0xDEF))
+    ctx = DefenseContext(round, client, gen, names, recipe.to_mapping(), dict(state or {}), device, public_data,
+                         num_examples=num_examples, incoming=dict(incoming or {}))
+    return pipeline.run_round(ctx)
 
 
 def step_extended(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], recipe: Recipe,

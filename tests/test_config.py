@@ -31,6 +31,8 @@ BAD = [
     ("wrong-type-number", ['train.lr="fast"'], None, ["train.lr", "a number"]),
     ("below-min", ["federation.rounds=0"], None, ["federation.rounds", ">= 1", "got 0"]),
     ("below-min-seed", ["seed=-1"], None, ["seed", ">= 0"]),
+    ("zero-discovery-timeout", ["simulation.discovery_timeout=0"], None, ["simulation.discovery_timeout", "> 0"]),
+    ("inf-discovery-timeout", ["simulation.discovery_timeout=inf"], None, ["simulation.discovery_timeout", "finite"]),
     ("bad-dataset", ['data.dataset="imagenet"'], None, ["data.dataset", "fmnist-small", "imagenet"]),
     ("bad-model", ['model.name="vgg"'], None, ["model.name", "lenet", "resnet18"]),
     ("bad-activation", ['model.activation="gelu"'], None, ["model.activation", "sigmoid"]),

@@ -630,8 +630,13 @@ def test_startup_apart_from_rounds_csv_tensorboard_and_client_evaluation(tmp_pat
     # CSV next to JSONL: the same values
     import csv
 
+    from fedsim.export import csv_text
+
     csv_rows = list(csv.DictReader(open(out / "metrics.csv")))
     assert [float(r["accuracy"]) for r in csv_rows] == [r["accuracy"] for r in rows]
+    # appended round by round, the header grew when round 1 brought the client-evaluation columns
+    assert "client_accuracy" not in rows[0] and "client_accuracy" in rows[1]
+    assert (out / "metrics.csv").read_text() == csv_text(rows)
     # TensorBoard: decode the event file with protobuf (a schema built here) and compare
     Event = _event_class()
     events = [Event.FromString(b) for b in read_events(next((out / "tensorboard").glob("events.out.tfevents.*")))]
@@ -761,3 +766,26 @@ def test_lr_schedule_reaches_clients_and_attacker(tmp_path):
     assert {u.round: u.recipe["lr"] for u in rec.updates} == {1: 0.05, 2: 0.025, 3: 0.0125}
     with pytest.raises(ConfigError, match=r"train.momentum must be in \[0, 1\), got 1.0"):
         make_small_cfg("train.momentum=1.0")
+
+
+def test_metrics_csv_grows_by_whole_lines_and_is_rewritten_only_for_new_columns(tmp_path):
+    """CsvLog appends a round's line to the same file; a row with a new column rewrites the file (new
+    header); a fresh CsvLog (a resumed run) rewrites it once. The file always equals write_csv's."""
+    import os
+
+    from fedsim.export import CsvLog, csv_text
+
+    path = tmp_path / "metrics.csv"
+    log, rows, inodes = CsvLog(path), [], []
+    for row in [{"round": 0, "accuracy": 0.1, "startup_seconds": 2.0}, {"round": 1, "accuracy": 0.2},
+                {"round": 2, "accuracy": 0.3, "note": "a,b"}, {"round": 3, "accuracy": float("nan")}]:
+        rows.append(row)
+        log.append(rows)
+        inodes.append(os.stat(path).st_ino)
+        assert path.read_text() == csv_text(rows)
+    assert log.rewrites == 2  # round 0 and the new column of round 2
+    assert inodes[0] == inodes[1] and inodes[2] == inodes[3] and inodes[1] != inodes[2]  # appends: same file
+    resumed = CsvLog(path)
+    rows.append({"round": 4, "accuracy": 0.5})
+    resumed.append(rows)
+    assert resumed.rewrites == 1 and path.read_text() == csv_text(rows)

@@ -691,3 +691,21 @@ def test_a_flower_rule_with_server_state_resumes_exactly(rule, tmp_path, monkeyp
     monkeypatch.undo()
     run_experiment(cfg, out=out, progress=False, resume=True)
     same_run(out, ref)
+
+
+def test_a_checkpoint_stores_each_failure_reason_once(tmp_path):
+    """Every checkpoint holds all the run's failures; a reason repeated round after round (a client that
+    always fails, timed-out nodes) is stored once and the failures read back exactly."""
+    from fedsim.checkpoint import Checkpoint, write_checkpoint
+
+    boom = "Traceback (most recent call last):\n" + "  File 'x.py', line 1\n" * 80 + "RuntimeError: boom"
+    late = "no reply within federation.round_timeout = 5 s (the node stopped or lost its connection)"
+    failures = [{"round": r, "stage": "train", "node": 10 + c, "client": c, "reason": boom if c == 4 else late}
+                for r in range(1, 51) for c in (1, 4, 7)]
+    ckpt = Checkpoint(round=50, identity="x", arrays=[np.zeros(3, np.float32)], failures=failures)
+    write_checkpoint(tmp_path / CHECKPOINT, ckpt)
+    assert read_checkpoint(tmp_path / CHECKPOINT).failures == failures
+    with np.load(tmp_path / CHECKPOINT) as z:
+        meta = z["__meta__"].tobytes().decode()
+    assert meta.count("RuntimeError: boom") == 1 and meta.count("round_timeout = 5 s") == 1
+    assert len(meta) < len(boom) + 150 * 100  # 150 failures, ~80 bytes each besides the two reasons

@@ -38,6 +38,9 @@ from fedsim.runfolder import RunFolderError, open_run_folder, read_summary
 from fedsim.training import torch_threads
 
 log = logging.getLogger("fedsim")
+# seconds between the server's polls for replies on Flower's simulation grid: its default 0.1 s adds
+# ~0.07 s to every round (benchmarks/flower_knobs.py compares 0.1, 0.01 and 0.001)
+PULL_INTERVAL = 0.01
 
 
 def node_count(cfg: dict[str, Any]) -> int:
@@ -222,7 +225,7 @@ def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
     @server_app.main()
     def _main(grid, context) -> None:
         if hasattr(grid, "pull_interval"):
-            grid.pull_interval = 0.01  # Flower's default 0.1 s poll adds ~0.07 s to every round
+            grid.pull_interval = PULL_INTERVAL
         try:
             run_server(grid, cfg, run_dir, observers, show, stop=stop, resume=ckpt, started_at=launched)
         except RunInterrupted as exc:  # return normally: Flower then shuts its engine down at once

@@ -58,7 +58,7 @@ from fedsim.checkpoint import (
     write_checkpoint,
 )
 from fedsim.components import ConfigError
-from fedsim.export import write_csv
+from fedsim.export import CsvLog
 from fedsim.factories import dataset_for, model_for
 from fedsim.inprocess import DelegatingGrid
 from fedsim.interrupt import RunInterrupted, StopSignal
@@ -175,6 +175,7 @@ class Server:
                                   fixed_partitions=fixed_partitions)
         self.eval_model = model_for(cfg)
         self.rows: list[dict[str, Any]] = []
+        self.csv = CsvLog(out / "metrics.csv") if out is not None else None
         self.startup_seconds: float | None = None
         # checkpoints: only when every piece of the run can report its state (fedsim.checkpoint)
         self.blocker = resume_blocker(self.engine.channel, self.engine.rule, self.engine.transforms, self.observers)
@@ -257,7 +258,7 @@ class Server:
             self.rows.append(row)
             if self.out is not None:
                 append_jsonl(self.out / "metrics.jsonl", [row])
-                write_csv(self.out / "metrics.csv", self.rows)
+                self.csv.append(self.rows)
             self.commit(state, rnd)
         return row
 
@@ -314,7 +315,7 @@ class Server:
                   (f"channel {engine.channel.name!r}", engine.channel, comps.get("channel", {})),
                   *((f"transform {t.name!r}", t, st) for t, st in zip(engine.transforms, comps["transforms"]))]
         write_jsonl(self.out / "metrics.jsonl", rows)  # drop the rows of an interrupted round
-        write_csv(self.out / "metrics.csv", rows)
+        self.csv.write(rows)
         self.rows = rows
         pieces += [(f"observer {o.name!r}", o, st) for o, st in zip(self.observers, comps["observers"])]
         for what, comp, st in pieces:
