@@ -21,11 +21,15 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fedsim run experiments/demo.toml --out runs/demo
 
+# Two pytest-xdist workers: the Ray tests (marked `ray`) run one after another on one of them
+# (tests/conftest.py), the in-process tests on the other, mostly while Ray starts and waits.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not ray"
+	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not ray"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fedsim strategies clients attacks experiments tests benchmarks scripts

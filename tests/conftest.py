@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -61,10 +63,11 @@ def quiet_logs() -> None:
 def _isolated_env(tmp_path_factory: pytest.TempPathFactory):
     """Ray temp files and Flower's home under the session's pytest temp folder; quiet logs.
 
-    The Ray folder is kept short: Ray puts Unix sockets below it and socket paths are limited to
-    107 bytes.
+    The Ray folder is kept short, directly under the system's temp folder (pytest's own folders grow
+    with pytest-xdist's worker names): Ray puts Unix sockets below it and socket paths are limited to
+    107 bytes. It is removed at the end of the session.
     """
-    ray_tmp = tmp_path_factory.mktemp("ray")
+    ray_tmp = Path(tempfile.mkdtemp(prefix="fsray"))
     flwr_home = tmp_path_factory.mktemp("flwr-home")
     new = {"RAY_TMPDIR": str(ray_tmp), "FLWR_HOME": str(flwr_home), **_ENV}
     old = {k: os.environ.get(k) for k in new}
@@ -76,11 +79,22 @@ def _isolated_env(tmp_path_factory: pytest.TempPathFactory):
     torch.set_num_threads(int(os.environ.get("FEDSIM_TEST_THREADS", "1")))
     yield {"ray_tmp": ray_tmp, "flwr_home": flwr_home}
     torch.set_num_threads(threads)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
     for k, v in old.items():
         if v is None:
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(autouse=True)
+def _normal_progress_level():
+    """Every test starts at the normal progress level: the CLI's ``--quiet``/``--verbose`` set a
+    process-wide level, which would otherwise leak into whatever test the same process runs next."""
+    from fedsim import progress
+
+    progress.set_level(progress.NORMAL)
+    yield
 
 
 @pytest.fixture
@@ -196,3 +210,13 @@ class RecordingObserver(Observer):
 @pytest.fixture
 def recorder() -> RecordingObserver:
     return RecordingObserver()
+
+
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test marked ``ray`` (a Ray
+    simulation, a Ray head, a SuperLink with SuperNodes) runs on one worker, one after another: two Ray
+    clusters at once would fight over the machine's two cores and each other's start-up. The other
+    worker runs the in-process tests meanwhile, much of it while the Ray tests wait on start-up."""
+    for item in items:
+        if item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("ray"))

@@ -105,7 +105,7 @@ def test_deployment_engine_run_survives_a_killed_supernode(tmp_path):
                 env=env, stdout=open(logs / f"supernode{i}.log", "w"), stderr=subprocess.STDOUT))
         procs += nodes
         overrides = ("federation.rounds=3;federation.num_clients=3;output.observers=[];"
-                     "federation.round_timeout=60;train.local_epochs=1")
+                     "federation.round_timeout=30;train.local_epochs=1")
         run = subprocess.Popen([str(BIN / "flwr"), "run", ".", "deploy", "--run-config",
                                 f'overrides="{overrides}" out="{out}"', "--stream"],
                                cwd=ROOT, env=env, stdout=open(logs / "run.log", "w"), stderr=subprocess.STDOUT)
@@ -127,7 +127,10 @@ def test_deployment_engine_run_survives_a_killed_supernode(tmp_path):
         assert summary["client_failures"] == 2  # rounds 2 and 3
         fails = summary["failures"]
         assert [(f["round"], f["client"]) for f in fails] == [(2, 2), (3, 2)]
-        assert "unavailable" in fails[0]["reason"].lower()
+        # which of the two notices the dead node first is a race: Flower's SuperLink (its heartbeat
+        # expires 2 x 30 s after the last one, and its error reply names the node unavailable) or
+        # fedsim's round timeout; either way the failure is the dead node's and the round goes on
+        assert all("unavailable" in f["reason"].lower() or "round_timeout" in f["reason"] for f in fails), fails
         assert 0.1 < summary["final_accuracy"] <= 1.0
     finally:
         for p in procs:
