@@ -44,18 +44,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from sim_overhead import compute_observer, quiet  # the same folder: run as a script
+
 ROOT = Path(__file__).resolve().parents[1]
 VIRTUAL_NODES = 20
-
-
-def _quiet() -> None:
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import logging
-
-    for name in ("flwr", "ray"):
-        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def make_cfg(args, out_dir: Path, per_node: int) -> dict:
@@ -70,20 +62,6 @@ def make_cfg(args, out_dir: Path, per_node: int) -> dict:
     if args.data_dir:
         sets.append(f'data.data_dir="{args.data_dir}"')
     return load_config(None, sets)
-
-
-def compute_observer():
-    from fedsim.observers import Observer
-
-    class ComputeObserver(Observer):
-        def __init__(self):
-            self.compute: dict[int, float] = {}
-
-        def observe(self, update):
-            self.compute[update.round] = self.compute.get(update.round, 0.0) + float(
-                update.metrics.get("train_seconds", 0.0))
-
-    return ComputeObserver()
 
 
 def run_variant(cfg: dict, out: Path, pull: float, actors: int) -> dict:
@@ -132,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 2:
         p.error("--rounds must be >= 2 (rounds >= 2 are measured)")
-    _quiet()
+    quiet()
     import torch
 
     torch.set_num_threads(1)

@@ -43,7 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _quiet() -> None:
+def quiet() -> None:
+    """Ray and Flower without their own logs (shared by the benchmarks that start Ray)."""
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < args.measure_from:
         p.error("--rounds must be >= --measure-from")
-    _quiet()
+    quiet()
     import torch
 
     torch.set_num_threads(1)
