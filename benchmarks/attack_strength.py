@@ -1,7 +1,7 @@
 """Attack strength at each attack's defaults: success rate, label accuracy and budget per batch size.
 
-Victims: DLG's LeNet (sigmoid, U(-0.5, 0.5) init) on fmnist-small **test** images (images no attack
-was tuned on), one FedSGD step (SGD lr 0.1, ``local_steps=1``) on a batch of ``B`` images, so the
+Victims: DLG's LeNet (sigmoid, U(-0.5, 0.5) init; with BatchNorm after each convolution for the
+attacks that need it, ``ig-bn``) on fmnist-small **test** images (images no attack was tuned on), one FedSGD step (SGD lr 0.1, ``local_steps=1``) on a batch of ``B`` images, so the
 update is exactly ``-lr`` times the batch gradient. ``--rounds`` global models (one per seed) with
 ``--victims`` victims each; the victims of a round share the global model, hold disjoint images and
 are attacked together with :meth:`attacks.base.Attack.run_many` (each with its own attacker seed).
@@ -13,7 +13,7 @@ and the wall time per victim (batched). Attack parameters are each attack's defa
 ``--set attack.key=value`` overrides them (values parsed as Python literals).
 
     .venv/bin/python benchmarks/attack_strength.py [--batches 1,4,8] [--rounds 2] [--victims 5]
-        [--attacks dlg,idlg,cpl,ig,grnn] [--set grnn.iterations=500] [--json out.json]
+        [--attacks dlg,idlg,cpl,ig,grnn,ig-fr,ig-bn] [--set grnn.iterations=500] [--json out.json]
 """
 from __future__ import annotations
 
@@ -32,21 +32,23 @@ from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
 from fedsim.training import Recipe, batch_schedule, local_train
 
-ATTACKS = ("dlg", "idlg", "cpl", "ig", "grnn")
+ATTACKS = ("dlg", "idlg", "cpl", "ig", "grnn", "ig-fr", "ig-bn")
+NEEDS_BN = {"ig-bn"}  # attacked on the same LeNet with BatchNorm after each convolution
 
 
-def round_victims(batch: int, round_seed: int, victims: int, *, lr: float = 0.1,
-                  image_seed: int = 1234) -> list[tuple[AttackInput, torch.Tensor, torch.Tensor]]:
-    """The victims of one round: a seeded sigmoid LeNet, ``victims`` disjoint batches of test images."""
+def round_victims(batch: int, round_seed: int, victims: int, *, lr: float = 0.1, image_seed: int = 1234,
+                  norm: str | None = None) -> list[tuple[AttackInput, torch.Tensor, torch.Tensor]]:
+    """The victims of one round: a seeded sigmoid LeNet (``norm = "batch"``: with BatchNorm), ``victims``
+    disjoint batches of test images."""
     ds = load_dataset("fmnist-small")
     shape = ds.in_shape
     perm = np.random.default_rng(image_seed + 7919 * round_seed).permutation(len(ds.y_test))
 
     def model_fn():
-        return build_model("lenet", shape, 10)
+        return build_model("lenet", shape, 10, norm=norm)
 
     torch.manual_seed(round_seed)
-    net = build_model("lenet", shape, 10, init="uniform")
+    net = build_model("lenet", shape, 10, init="uniform", norm=norm)
     global_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     out = []
     for v in range(victims):
@@ -81,7 +83,7 @@ def parse_sets(items: list[str]) -> dict[str, dict[str, Any]]:
 def evaluate(name: str, params: dict[str, Any], batch: int, rounds: int, victims: int) -> dict[str, Any]:
     ssims, psnrs, labels, its, attempts, secs = [], [], [], [], [], []
     for r in range(rounds):
-        vs = round_victims(batch, r, victims)
+        vs = round_victims(batch, r, victims, norm="batch" if name in NEEDS_BN else None)
         attack = build_attack(name, **params)
         t0 = time.perf_counter()
         results = attack.run_many([v[0] for v in vs])
