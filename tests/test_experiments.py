@@ -313,3 +313,31 @@ def test_unknown_experiment_lists_the_known_ones(capsys):
     assert cli_main(["experiment", "nope"]) == 2
     err = capsys.readouterr().err
     assert "no such experiment" in err and "seed004-systematic" in err
+
+
+def test_the_commit_stamp_ignores_only_the_results_folder(tmp_path, monkeypatch):
+    """Publishing one experiment after another changes the results folder; that is no change to the code
+    that produces the next report, so it does not make the stamp '+local changes' - a change anywhere
+    else does."""
+    import subprocess
+
+    from fedsim.app import experiment
+
+    repo = tmp_path / "repo"
+    (repo / "docs" / "results").mkdir(parents=True)
+    (repo / "docs" / "results" / "a.md").write_text("old\n")
+    (repo / "code.py").write_text("x = 1\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    monkeypatch.setattr(experiment, "ROOT", repo)
+    results = repo / "docs" / "results"
+    assert experiment._commit(results) == head
+    (results / "a.md").write_text("new\n")  # a previous publish
+    assert experiment._commit(results) == head
+    assert experiment._commit() == head + "+local changes"  # without the folder, everything counts
+    (repo / "code.py").write_text("x = 2\n")
+    assert experiment._commit(results) == head + "+local changes"
+    assert experiment._commit(tmp_path / "elsewhere") == head + "+local changes"

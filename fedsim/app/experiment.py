@@ -55,11 +55,20 @@ def resolve(name: str) -> Path:
     return known[name]
 
 
-def _commit() -> str:
+def _commit(results: Path | None = None) -> str:
+    """The checkout's commit, with "+local changes" when tracked files differ from it - except those
+    under ``results`` (the folder reports are published to: publishing one experiment after another
+    changes it, which is no change to the code that produces the next one)."""
     try:
         out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+        spec: list[str] = []
+        if results is not None:
+            try:
+                spec = ["--", ".", f":(exclude){Path(results).resolve().relative_to(ROOT.resolve())}"]
+            except ValueError:  # published outside the checkout: every change counts
+                spec = []
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no", *spec],
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return out.stdout.strip() + ("+local changes" if dirty else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
@@ -87,7 +96,7 @@ def publish(run_dir: Path, dest_root: Path, name: str, argv: Sequence[str]) -> P
     """Copy the experiment's report and figures to ``dest_root/name/`` with command, date and commit
     and rewrite ``dest_root/README.md``."""
     dest = dest_root / name
-    commit = _commit()  # before the old files go: removing tracked files would read as "+local changes"
+    commit = _commit(dest_root)
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.iterdir():
         if old.is_file():
