@@ -19,6 +19,7 @@ Message types follow Flower's ``<category>[.<action>]`` form (actions are Python
 """
 from __future__ import annotations
 
+import io
 import json
 from collections import OrderedDict
 from typing import Any, Mapping, Sequence
@@ -151,7 +152,27 @@ def split_model(record: str) -> tuple[str, int | None]:
 # ---- helpers both sides use ------------------------------------------------------------------------
 def arrays_record(names: Sequence[str], arrays: Sequence[np.ndarray]) -> ArrayRecord:
     """Arrays in ``names`` order as an ArrayRecord (contiguous copies where needed)."""
-    return ArrayRecord(OrderedDict((n, Array(np.ascontiguousarray(a))) for n, a in zip(names, arrays)))
+    return ArrayRecord(OrderedDict((n, encode_array(a)) for n, a in zip(names, arrays)))
+
+
+_NPY_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
+
+
+def encode_array(a: np.ndarray) -> Array:
+    """An array as Flower's ``Array``, the same bytes as ``Array(ndarray)`` (``np.save``'s .npy format)
+    without ``np.save`` per array: the header of a (dtype, shape) is made once and reused, the data is
+    the C-ordered buffer. Structured and object dtypes go through Flower's own path."""
+    a = np.ascontiguousarray(a)
+    if a.dtype.fields is not None or a.dtype.hasobject:
+        return Array(a)
+    shape = tuple(int(d) for d in a.shape)
+    key = (a.dtype.str, shape)
+    header = _NPY_HEADERS.get(key)
+    if header is None:
+        buf = io.BytesIO()
+        np.lib.format.write_array_header_1_0(buf, np.lib.format.header_data_from_array_1_0(a))
+        header = _NPY_HEADERS.setdefault(key, buf.getvalue()) if len(_NPY_HEADERS) < 4096 else buf.getvalue()
+    return Array(dtype=str(a.dtype), shape=shape, stype="numpy.ndarray", data=header + a.tobytes())
 
 
 def decode_array(arr: Array, writable: bool = True) -> np.ndarray:

@@ -215,11 +215,15 @@ def get_weights(model: nn.Module) -> list[np.ndarray]:
 
 
 def set_weights(model: nn.Module, weights: Sequence[np.ndarray]) -> None:
+    """Copy ``weights`` (state_dict order) into the model's parameters and buffers in place (what
+    ``load_state_dict`` does for fedsim's models, without its per-key bookkeeping: this runs for every
+    client message)."""
     sd = model.state_dict()
     if len(weights) != len(sd):
         raise ValueError(f"expected {len(sd)} arrays for this model, got {len(weights)}")
-    model.load_state_dict({k: torch.as_tensor(np.asarray(w)).reshape(v.shape).to(v.dtype)
-                           for (k, v), w in zip(sd.items(), weights)}, strict=True)
+    with torch.no_grad():
+        for v, w in zip(sd.values(), weights):
+            v.copy_(torch.as_tensor(np.asarray(w)).reshape(v.shape))
 
 
 def param_names(model: nn.Module) -> list[str]:

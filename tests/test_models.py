@@ -1,6 +1,7 @@
 """The model zoo: shapes, options, initialisation, errors."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -125,3 +126,45 @@ def test_invalid_options_name_the_key(kwargs, key):
 def test_image_model_on_tabular_data_is_rejected(name):
     with pytest.raises(ValueError, match="model.name"):
         build_model(name, (30,), 2)
+
+
+@pytest.mark.parametrize("name,norm", [(m, None) for m in MODELS] + [("lenet", "batch")])
+def test_set_weights_writes_every_parameter_and_buffer(name, norm):
+    """set_weights copies in place (the per-message fast path): every state_dict entry, buffers and
+    BatchNorm's integer counter included, takes the given value, and a wrong count or shape is refused."""
+    from fedsim.training import get_weights, set_weights
+
+    shape = (30,) if name == "mlp" else (1, 28, 28)
+    model = build_model(name, shape, 10, norm=norm)
+    rng = np.random.default_rng(0)
+    target = [(rng.normal(size=w.shape) * 3).astype(w.dtype) if w.dtype.kind == "f"
+              else np.full(w.shape, 7, dtype=w.dtype) for w in get_weights(model)]
+    read_only = [np.frombuffer(t.tobytes(), dtype=t.dtype).reshape(t.shape) for t in target]
+    set_weights(model, read_only)
+    got = get_weights(model)
+    assert len(got) == len(target) and all(np.array_equal(g, t) for g, t in zip(got, target))
+    with pytest.raises(ValueError, match="arrays for this model"):
+        set_weights(model, target[:-1])
+    with pytest.raises(RuntimeError):
+        set_weights(model, [t.ravel()[:-1] if i == 0 else t for i, t in enumerate(target)])
+
+
+@pytest.mark.parametrize("array", [
+    np.arange(24, dtype="float32").reshape(2, 3, 4),
+    np.arange(6, dtype="int64")[::2],
+    np.asfortranarray(np.arange(6, dtype="float64").reshape(3, 2)),
+    np.array([3.5, -1.0], dtype=">f8"),
+    np.zeros((0, 5), dtype="uint8"),
+])
+def test_encode_array_gives_flowers_own_bytes(array):
+    """protocol.encode_array (header cached per dtype and shape) is byte for byte Flower's Array(ndarray)
+    of the C-ordered array, and decodes to the same values."""
+    from flwr.app import Array
+
+    from fedsim.protocol import decode_array, encode_array
+
+    for _ in range(2):  # the second call uses the cached header
+        mine, flowers = encode_array(array), Array(np.ascontiguousarray(array))
+        assert (mine.dtype, mine.shape, mine.stype, mine.data) == (
+            flowers.dtype, flowers.shape, flowers.stype, flowers.data)
+        assert np.array_equal(decode_array(mine), array) and np.array_equal(mine.numpy(), array)
