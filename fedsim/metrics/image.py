@@ -24,13 +24,21 @@ def _np(a: Any) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
-def _batch(a: Any) -> np.ndarray:
+def _batched(a: Any, item_dims: str) -> np.ndarray:
+    """``a`` as float64 with a leading batch axis: one item shaped ``(item_dims)`` gets one, a batch
+    ``(B, item_dims)`` is kept, anything else is refused naming both shapes."""
     a = _np(a)
-    if a.ndim == 3:
+    n = len([d for d in item_dims.split(",") if d.strip()])
+    if a.ndim == n:
         a = a[None]
-    if a.ndim != 4:
-        raise ValueError(f"expected images shaped (C, H, W) or (B, C, H, W), got {a.shape}")
+    if a.ndim != n + 1:
+        raise ValueError(f"expected {'images' if n == 3 else 'records'} shaped ({item_dims}) or "
+                         f"(B, {item_dims.rstrip(',')}), got {a.shape}")
     return a
+
+
+def _batch(a: Any) -> np.ndarray:
+    return _batched(a, "C, H, W")
 
 
 def mse(a: Any, b: Any) -> np.ndarray | float:

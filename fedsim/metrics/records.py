@@ -23,18 +23,13 @@ from typing import Any
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from .image import _np, label_multiset_accuracy
+from .image import _batched, _np, label_multiset_accuracy
 
 MSE_THRESHOLD = 0.005  # content success on standardised records (module docstring)
 
 
 def _records(a: Any) -> np.ndarray:
-    a = _np(a)
-    if a.ndim == 1:
-        a = a[None]
-    if a.ndim != 2:
-        raise ValueError(f"expected records shaped (F,) or (B, F), got {a.shape}")
-    return a
+    return _batched(a, "F,")
 
 
 def match_records(recon: Any, truth: Any) -> np.ndarray:
