@@ -24,7 +24,7 @@ def _np(a: Any) -> np.ndarray:
     return np.asarray(a, dtype=np.float64)
 
 
-def _batched(a: Any, item_dims: str) -> np.ndarray:
+def _batched(a: Any, what: str, item_dims: str) -> np.ndarray:
     """``a`` as float64 with a leading batch axis: one item shaped ``(item_dims)`` gets one, a batch
     ``(B, item_dims)`` is kept, anything else is refused naming both shapes."""
     a = _np(a)
@@ -32,13 +32,13 @@ def _batched(a: Any, item_dims: str) -> np.ndarray:
     if a.ndim == n:
         a = a[None]
     if a.ndim != n + 1:
-        raise ValueError(f"expected {'images' if n == 3 else 'records'} shaped ({item_dims}) or "
+        raise ValueError(f"expected {what} shaped ({item_dims}) or "
                          f"(B, {item_dims.rstrip(',')}), got {a.shape}")
     return a
 
 
 def _batch(a: Any) -> np.ndarray:
-    return _batched(a, "C, H, W")
+    return _batched(a, "images", "C, H, W")
 
 
 def mse(a: Any, b: Any) -> np.ndarray | float:

@@ -29,7 +29,7 @@ MSE_THRESHOLD = 0.005  # content success on standardised records (module docstri
 
 
 def _records(a: Any) -> np.ndarray:
-    return _batched(a, "F,")
+    return _batched(a, "records", "F,")
 
 
 def match_records(recon: Any, truth: Any) -> np.ndarray:
