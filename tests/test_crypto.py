@@ -328,7 +328,7 @@ def test_precomputed_obfuscation_decrypts_like_phe(key_a):
         c = pl.encrypt_raw(pk, v % n, obf)
         assert sk.decrypt(phe_paillier.EncryptedNumber(pk, c, 0)) == v
     # the CRT route gives the same obfuscator for the same r
-    crt_pool = pl.ObfuscatorPool(pk, sk)
+    crt_pool = pl.ObfuscatorPool(pk, sk, method="full")
     crt_pool._draw_r = lambda: gmpy2.mpz(r)
     assert crt_pool.compute() == obf
     # pooled encryptions decrypt correctly, are all different, and the pool hands out each once

@@ -360,8 +360,15 @@ def test_what_cannot_be_checkpointed_is_named():
     from strategies.fedavg import FedAvg
     from strategies.paillier import PaillierChannel
 
+    from fedsim.seams import WEIGHTED_SUM, ServerChannel
+
+    class Opaque(ServerChannel):  # keeps the model from the server and cannot save it
+        name = "opaque"
+        provides = frozenset({WEIGHTED_SUM})
+
     assert resume_blocker(PlainChannel(), FedAvg(), [], []) is None
-    assert "plaintext" in resume_blocker(PaillierChannel(), FedAvg(), [], [])
+    assert resume_blocker(PaillierChannel(), FedAvg(), [], []) is None  # it saves its ciphertexts
+    assert "checkpoint_arrays" in resume_blocker(Opaque(), FedAvg(), [], [])
     from fedsim.observers import Observer
 
     class Forgetful(Observer):

@@ -290,7 +290,7 @@ class Server:
         self._committed_observers = observers
         components = {"strategy": engine.rule.state(), "channel": engine.channel.state(),
                       "transforms": [t.state() for t in engine.transforms], "observers": observers}
-        ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.plaintext(state)),
+        ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.checkpoint_arrays(state)),
                           components=components, rng=rng_state(), failures=list(engine.failures),
                           seconds=self.elapsed(), resumed=self.resumed)
         write_checkpoint(self.out / CHECKPOINT, ckpt)
@@ -328,7 +328,7 @@ class Server:
         engine.failures[:] = list(ckpt.failures)
         prune_client_states(self.out / CLIENT_STATE, ckpt.round)  # files of the interrupted round go
         set_rng_state(ckpt.rng)
-        state = engine.channel.initial([a.copy() for a in ckpt.arrays])
+        state = engine.channel.from_checkpoint_arrays([a.copy() for a in ckpt.arrays])
         self.completed, self.committed = ckpt.round, state
         return state
 
