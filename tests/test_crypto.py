@@ -539,10 +539,9 @@ def test_the_short_exponent_pool_gives_the_same_sums_as_full_obfuscators(key_a):
     np.testing.assert_array_equal(*sums)
 
 
-def test_straus_weighted_sum_equals_phe_arithmetic_exactly(key_a):
-    """The combination shares squarings across clients: the same ciphertext integers as phe's own scalar
-    multiplication and addition of EncryptedNumbers (no re-randomisation in either), and it decrypts to the
-    weighted sum."""
+def test_the_weighted_sum_equals_phe_arithmetic_exactly(key_a):
+    """The server's combination: the same ciphertext integers as phe's own scalar multiplication and addition
+    of EncryptedNumbers (no re-randomisation in either), and it decrypts to the weighted sum."""
     pk, sk = key_a
     rng = np.random.default_rng(2)
     ms = [[int(v) for v in rng.integers(0, 2**50, 6)] for _ in range(4)]

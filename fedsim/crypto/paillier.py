@@ -17,9 +17,8 @@ exactly once; online encryption is ``phe``'s ``raw_encrypt(m, r_value=1)`` (triv
 ``1**n = 1``) times a pooled obfuscator. A pool that runs dry computes inline and counts it
 (``ObfuscatorPool.inline``).
 
-Combining (:func:`weighted_sum`) shares the squarings of all clients' exponentiations (Straus'
-simultaneous multi-exponentiation); decrypting many ciphertexts (:func:`decrypt_many`) runs ``phe``'s
-CRT decryption in threads that release the GIL.
+Decrypting many ciphertexts (:func:`decrypt_many`) runs ``phe``'s CRT decryption in threads that release
+the GIL.
 
 Payload (one client's encrypted update, or a combination): a fixed header followed by the
 ciphertexts, each ``width = bytes(n**2)`` bytes big-endian. Header (big-endian)::
@@ -193,19 +192,12 @@ def weighted_sum(public_key: PublicKey, ciphertexts: Sequence[Sequence[int]], we
         raise ValueError(f"ciphertexts: the lists differ in length ({sorted(lengths)})")
     n2 = gmpy2.mpz(public_key.nsquare)
     terms = [(w, c) for w, c in zip(weights, ciphertexts) if w > 0]
-    top = max(w for w, _ in terms).bit_length()
-    # Straus: one squaring per bit of the largest weight for all clients together, then a multiplication
-    # per client whose weight has that bit (about 2.5x fewer multiplications than a powmod per client)
-    bits = [[i for i, (w, _) in enumerate(terms) if (w >> b) & 1] for b in range(top - 1, -1, -1)]
     out = []
     for k in range(lengths.pop()):
-        col = [gmpy2.mpz(c[k]) for _, c in terms]
         acc = gmpy2.mpz(1)
-        for b, members in enumerate(bits):
-            if b:
-                acc = acc * acc % n2
-            for i in members:
-                acc = acc * col[i] % n2
+        for w, c in terms:
+            ck = gmpy2.mpz(c[k])
+            acc = acc * (ck if w == 1 else gmpy2.powmod(ck, w, n2)) % n2
         out.append(int(acc))
     return out
 
