@@ -19,7 +19,8 @@ and reports its peak resident memory (``ru_maxrss``), printed as the difference 
 <= +1 GB for 10 clients). On Ray the clients live in the actors' processes: not measured here.
 
 Workload: LeNet/ReLU on fmnist-small, IID over ``--clients`` clients, SGD lr 0.05, batch 16,
-``--epochs`` local epochs (1).
+``--epochs`` local epochs (1); torch runs one thread in this process, as in each Ray actor (so the
+clients' decryption runs in one thread too).
 
     .venv/bin/python benchmarks/he_round.py [--clients 10] [--rounds 4] [--backends inprocess ray]
         [--actors 2] [--key-bits 2048] [--memory]
@@ -76,22 +77,25 @@ def _servers(grid, args: argparse.Namespace, channels) -> tuple[dict, dict]:
 def measure(grid, args: argparse.Namespace, channels=CHANNELS) -> dict:
     servers, states = _servers(grid, args, channels)
     times: dict[str, list[float]] = {n: [] for n in servers}
+    cpu: dict[str, list[float]] = {n: [] for n in servers}
     extra: dict[str, dict[str, list[float]]] = {n: {} for n in servers}
     for rnd in range(1, args.rounds + 1):
         k = rnd % len(servers)
         order = list(servers)[k:] + list(servers)[:k]
         for name in order:
             s = servers[name]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             states[name], record = s.engine.run_round(grid, rnd, states[name])
             ev = s.evaluate(grid, states[name], record)
             times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
             if record.replies != args.clients or record.failures or ev["accuracy"] is None:
                 raise RuntimeError(f"{name}, round {rnd}: {record.replies} replies, failures {record.failures[:1]}")
             for key in ("encrypt_seconds_mean", "combine_seconds", "payload_bytes", "clip"):
                 if key in record.channel_metrics:
                     extra[name].setdefault(key, []).append(float(record.channel_metrics[key]))
-            print(f"[bench] round {rnd} {name}: {times[name][-1]:.2f} s, accuracy {ev['accuracy']:.4f}",
+            print(f"[bench] round {rnd} {name}: {times[name][-1]:.2f} s (process CPU {cpu[name][-1]:.2f} s), "
+                  f"accuracy {ev['accuracy']:.4f}",
                   file=sys.stderr, flush=True)
     plain = times["plain"][1:]
     rows = {}
@@ -99,6 +103,10 @@ def measure(grid, args: argparse.Namespace, channels=CHANNELS) -> dict:
         mine = times[name][1:]
         ratios = [a / b for a, b in zip(mine, plain)]
         rows[name] = {"median_s": statistics.median(mine), "ratio_of_medians": statistics.median(mine) / statistics.median(plain),
+                      # CPU seconds of this process (all the clients' work on the in-process backend, not the
+                      # actors' on Ray): less sensitive to other processes' load than wall time
+                      "cpu_s": statistics.median(cpu[name][1:]),
+                      "cpu_ratio": statistics.median(cpu[name][1:]) / statistics.median(cpu["plain"][1:]),
                       "median_ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                       **{k: statistics.median(v[1:] or v) for k, v in extra[name].items()}}
     return rows
@@ -135,18 +143,26 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict:
     return out["rows"]
 
 
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
 def memory_child(channel: str, args: argparse.Namespace) -> None:
-    """One channel, 2 rounds in-process; prints the peak RSS in MB as JSON."""
+    """One channel, 2 rounds in-process; prints as JSON the peak RSS and the resident memory the channel's
+    setup and rounds added (RSS after the rounds minus RSS before the setup), in MB."""
     from fedsim.app.client import client_app
     from fedsim.inprocess import InProcessGrid
 
     grid = InProcessGrid(client_app, args.clients)
+    before = _rss_mb()
     servers, states = _servers(grid, args, [channel])
     s = servers[channel]
     for rnd in (1, 2):
         states[channel], record = s.engine.run_round(grid, rnd, states[channel])
         s.evaluate(grid, states[channel], record)
-    print(json.dumps({"channel": channel, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"channel": channel, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "added_mb": _rss_mb() - before}))
 
 
 def main() -> None:
@@ -168,8 +184,11 @@ def main() -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    import torch
+
     from fedsim.app.runner import quiet_logs
 
+    torch.set_num_threads(1)  # one core per client, as each Ray actor runs (and stable on a busy machine)
     quiet_logs()
     if args.memory_child:
         memory_child(args.memory_child, args)
@@ -183,29 +202,30 @@ def main() -> None:
                                   "--key-bits", str(args.key_bits), "--epochs", str(args.epochs)],
                                  capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
             line = [x for x in out.stdout.splitlines() if x.startswith("{")]
-            mem[ch] = json.loads(line[-1])["peak_mb"] if line else float("nan")
+            mem[ch] = json.loads(line[-1]) if line else {"peak_mb": float("nan"), "added_mb": float("nan")}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"\n{args.clients} clients, LeNet on fmnist-small, {args.epochs} local epoch(s), Paillier {args.key_bits}-bit; "
           f"{args.rounds - 1} measured rounds per channel; {time.perf_counter() - t0:.0f} s in all; "
           f"{os.cpu_count()} CPUs, load average at the end {load:.2f}\n")
     for backend, rows in results.items():
         print(f"**{backend}**" + (f" ({args.actors} actors)" if backend == "ray" else "") + "\n")
-        print("| channel | round s (median) | ratio of medians | median ratio (min-max) | encrypt s/client | "
-              "combine s | payload MB |")
-        print("|---|---|---|---|---|---|---|")
+        print("| channel | round s (median) | ratio of medians | median ratio (min-max) | process CPU s (ratio) | "
+              "encrypt s/client | combine s | payload MB |")
+        print("|---|---|---|---|---|---|---|---|")
         for name, r in rows.items():
             enc = f"{r['encrypt_seconds_mean']:.3f}" if "encrypt_seconds_mean" in r else "-"
             comb = f"{r['combine_seconds']:.3f}" if "combine_seconds" in r else "-"
             size = f"{r['payload_bytes'] / 1e6:.2f}" if "payload_bytes" in r else "-"
             print(f"| {name} | {r['median_s']:.2f} | {r['ratio_of_medians']:.2f}x | {r['median_ratio']:.2f}x "
-                  f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {enc} | {comb} | {size} |")
+                  f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['cpu_s']:.2f} ({r['cpu_ratio']:.2f}x) | {enc} | "
+                  f"{comb} | {size} |")
         print()
     if mem:
-        print("peak resident memory, one process per channel (in-process, 2 rounds):\n")
-        print("| channel | peak MB | over plain MB |")
-        print("|---|---|---|")
-        for ch, mb in mem.items():
-            print(f"| {ch} | {mb:.0f} | {mb - mem['plain']:+.0f} |")
+        print("resident memory, one process per channel (in-process, setup + 2 rounds):\n")
+        print("| channel | peak MB | added by setup and rounds MB | over plain MB |")
+        print("|---|---|---|---|")
+        for ch, m in mem.items():
+            print(f"| {ch} | {m['peak_mb']:.0f} | {m['added_mb']:.0f} | {m['added_mb'] - mem['plain']['added_mb']:+.0f} |")
 
 
 if __name__ == "__main__":
