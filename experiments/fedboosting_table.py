@@ -21,8 +21,8 @@ import numpy as np
 
 SWEEP = Path(__file__).with_name("fedboosting.toml")
 FIGURE = "accuracy_curves.png"
-ROWS = (("FedAvg", "N/A"), ("FedAvg", "HE"), ("FedAvg", "CKKS"), ("FedBoosting", "N/A"), ("FedBoosting", "DP"),
-        ("FedBoosting", "HE+DP"), ("FedBoosting", "CKKS+DP"))  # HE: Paillier, 2048-bit keys; CKKS: N = 8192
+ROWS = (("FedAvg", "N/A"), ("FedAvg", "HE"), ("FedBoosting", "N/A"), ("FedBoosting", "DP"),
+        ("FedBoosting", "HE+DP"), ("FedAvg", "CKKS"), ("FedBoosting", "CKKS+DP"))  # HE: Paillier 2048; CKKS: N 8192
 LAST = 5
 
 

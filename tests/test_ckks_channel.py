@@ -136,10 +136,10 @@ def test_each_hostile_payload_is_its_clients_failure(small_cfg, tmp_path, monkey
 
 @pytest.mark.ray
 def test_ckks_fedavg_on_ray_matches_plain_fedavg(small_cfg, tmp_path):
-    sets = ("federation.rounds=2", "federation.num_clients=3", "train.lr=0.05")
+    sets = ("federation.rounds=1", "federation.num_clients=2", "train.lr=0.05")
     plain = run_experiment(small_cfg(*sets), out=tmp_path / "plain", progress=False)
     enc = run_experiment(small_cfg(*sets, *CKKS, 'simulation.backend="ray"'), out=tmp_path / "enc", progress=False)
     a = read_jsonl(plain / "metrics.jsonl")[-1]["accuracy"]
     b = read_jsonl(enc / "metrics.jsonl")[-1]
-    assert b["evaluated_by"].startswith("client ") and b["replies"] == 3
+    assert b["evaluated_by"].startswith("client ") and b["replies"] == 2
     assert abs(a - b["accuracy"]) <= 0.005, (a, b["accuracy"])
