@@ -2,7 +2,7 @@
 
 Clients encrypt their whole trained model (floating entries) as CKKS vectors, 4096 values per ciphertext
 (``fedsim.crypto.ckks``); the server checks each payload with the public context alone
-(:meth:`CkksChannel.accept`), forms the weighted mean ``sum_i p_i x_i`` homomorphically with the rule's
+(:meth:`CkksChannel.check_reply`), forms the weighted mean ``sum_i p_i x_i`` homomorphically with the rule's
 weights as real numbers (CKKS needs no integer weights: no ``precision``) and never decrypts: the global
 model it holds after round 1 is a ciphertext, which the clients decrypt at the start of the next round and
 a client evaluates. Why the model and not the update (as the Paillier channel): CKKS's error is absolute,
@@ -26,7 +26,7 @@ from fedsim.crypto.errors import IntegrityError
 from fedsim.keydelivery import SealedKeyServer
 from fedsim.protocol import ARRAYS, CHANNEL, ENCRYPT_SECONDS, PAYLOAD, arrays_record
 from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WEIGHTED_SUM, ChannelError, ServerChannel
+from fedsim.seams import WEIGHTED_SUM, ChannelError, ModelSpec, ServerChannel
 
 _STATE_MAGIC = b"FSCS1"
 
@@ -95,7 +95,8 @@ class CkksChannel(SealedKeyServer, ServerChannel):
         except IntegrityError as exc:
             raise ChannelError(f"payload rejected ({exc.field}): {exc}") from None
 
-    def accept(self, reply: Reply) -> None:
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        """The per-reply check (``RoundEngine.check_reply``; see :meth:`check_payload`)."""
         if not reply.has(CHANNEL) or PAYLOAD not in reply.record(CHANNEL):
             raise ChannelError("the reply carries no ciphertexts")
         rec = reply.record(CHANNEL)

@@ -2,7 +2,7 @@
 
 Clients quantize what they send, pack many values per Paillier plaintext and encrypt (``fedsim.crypto``);
 the server checks each payload against the channel's settings with the public key alone
-(:meth:`PaillierChannel.accept`), combines the payloads homomorphically with integer weights
+(:meth:`PaillierChannel.check_reply`), combines the payloads homomorphically with integer weights
 ``w_i = round(p_i * precision)`` (``p_i``: the aggregation rule's weights) and never decrypts.
 
 What is encrypted (``encrypt``):
@@ -66,7 +66,7 @@ from fedsim.protocol import (
     arrays_record,
 )
 from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WEIGHTED_SUM, ChannelError, ServerChannel
+from fedsim.seams import WEIGHTED_SUM, ChannelError, ModelSpec, ServerChannel
 
 ENCRYPT = ("update", "model")
 
@@ -218,7 +218,7 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
             e = rec.get(RANGE_EXPONENT) if hasattr(rec, "get") else None
             if isinstance(e, bool) or not isinstance(e, int) or not MIN_RANGE_EXPONENT <= e <= MAX_RANGE_EXPONENT:
                 ctx.engine.record_failure(ctx.record, ctx.round, r.node_id, "train",
-                                          f"ChannelError: the reply carries no valid {RANGE_EXPONENT} (an integer "
+                                          f"invalid reply: the reply carries no valid {RANGE_EXPONENT} (an integer "
                                           f"in [{MIN_RANGE_EXPONENT}, {MAX_RANGE_EXPONENT}]): {str(e)[:80]}",
                                           partition=r.partition)
                 continue
@@ -267,9 +267,10 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
                 raise ChannelError(f"payload rejected ({name}): the payload has {name} = {got!r}, the channel "
                                    f"expects {want!r} this round")
 
-    def accept(self, reply: Reply) -> None:
-        """The per-reply check (see :meth:`check_payload`): a bad payload is this client's failure, never a
-        crash of the combination."""
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        """The per-reply check (``RoundEngine.check_reply`` calls it for every train reply; see
+        :meth:`check_payload`): a bad payload is this client's recorded failure, never a crash of the
+        combination. Keeps the payload in ``reply.extra`` and notes which global model the client holds."""
         if not reply.has(CHANNEL) or PAYLOAD not in reply.record(CHANNEL):
             raise ChannelError("the reply carries no ciphertexts")
         rec = reply.record(CHANNEL)
