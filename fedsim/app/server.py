@@ -172,7 +172,7 @@ class Server:
         self.observers = list(parts["observers"] if observers is None else observers)
         self.engine = RoundEngine(cfg, self.names, parts["rule"], parts["channel"], parts["transforms"],
                                   self.observers, timeout=float(cfg["federation"].get("round_timeout", 3600.0)),
-                                  fixed_partitions=fixed_partitions)
+                                  fixed_partitions=fixed_partitions, privacy=parts["privacy"])
         self.eval_model = model_for(cfg)
         self.rows: list[dict[str, Any]] = []
         self.csv = CsvLog(out / "metrics.csv") if out is not None else None
@@ -289,7 +289,8 @@ class Server:
         observers = [obs.state() for obs in self.observers]
         self._committed_observers = observers
         components = {"strategy": engine.rule.state(), "channel": engine.channel.state(),
-                      "transforms": [t.state() for t in engine.transforms], "observers": observers}
+                      "transforms": [t.state() for t in engine.transforms], "observers": observers,
+                      "privacy": engine.privacy.state()}
         ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.plaintext(state)),
                           components=components, rng=rng_state(), failures=list(engine.failures),
                           seconds=self.elapsed(), resumed=self.resumed)
@@ -318,6 +319,7 @@ class Server:
         self.csv.write(rows)
         self.rows = rows
         pieces += [(f"observer {o.name!r}", o, st) for o, st in zip(self.observers, comps["observers"])]
+        pieces.append(("the privacy ledger", engine.privacy, comps.get("privacy", {})))
         for what, comp, st in pieces:
             try:
                 comp.load_state(st)
@@ -446,6 +448,8 @@ class Server:
             "resumed_from": self.resumed,
         }
         summary.update(extra or {})
+        if self.engine.privacy:
+            summary["privacy"] = self.engine.privacy.describe()
         for obs in self.observers:
             summary.update(obs.on_finish())
         if self.out is not None:
@@ -457,7 +461,8 @@ class Server:
             if rows:
                 plot_accuracy(rows, self.out / "accuracy.png", title=self.cfg["name"])
             write_json(self.out / "summary.json", summary)
-            write_report(self.out, self.cfg, rows, summary, [obs.report_markdown() for obs in self.observers])
+            write_report(self.out, self.cfg, rows, summary,
+                         [self.engine.privacy.report_markdown(rows), *(obs.report_markdown() for obs in self.observers)])
         return summary
 
 
