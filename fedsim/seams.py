@@ -80,6 +80,11 @@ class AggregationRule:
         """What the rule did this round (logged in metrics.jsonl under ``strategy.<key>``)."""
         return {}
 
+    def privacy(self, cfg: Mapping[str, Any]) -> list[Any]:
+        """The differential privacy the rule gives, as :class:`fedsim.privacy.Mechanism` entries (central DP:
+        ``strategies/dp.py``). Default: none."""
+        return []
+
     def state(self) -> dict[str, Any]:
         """What this component carries from one round to the next, for checkpoints: a dict of arrays,
         numbers, strings, lists and dicts. Default: nothing (stateless). A component whose behaviour in

@@ -257,3 +257,28 @@ def test_client_side_fixed_clipping_composes_with_secure_aggregation(small_cfg):
                     client__flower_mods=[{"name": "fixed-clipping"}], channel={"name": "secagg+"})
     assert build_components(cfg)["rule"].requires <= {"the example-weighted mean of the client models",
                                                        "the aggregate in plaintext"}
+
+
+# --------------------------------------------------------------- the privacy-utility picture
+def test_compare_rows_take_the_best_formal_guarantee_and_draw_the_privacy_utility_picture(tmp_path):
+    from fedsim.comparison import compare
+    from fedsim.reports import write_json, write_jsonl
+
+    def folder(name, privacy, ssim, auc):
+        d = tmp_path / name
+        d.mkdir()
+        write_json(d / "summary.json", {"final_accuracy": 0.5, "final_loss": 1.0, "privacy": privacy,
+                                        "leakage": [{"attack": "ig", "ssim": ssim, "columns": ["ssim"]}],
+                                        "membership": [{"attack": "mia-lira", "auc": auc, "columns": ["auc"]}]})
+        write_jsonl(d / "metrics.jsonl", [{"round": 1, "seconds": 0.1, "accuracy": 0.5}])
+        return d
+
+    both = [{"mechanism": "defense.0.dp-sgd", "level": "sample", "epsilon": 3.0},
+            {"mechanism": "strategy", "level": "client", "epsilon": 2.0},
+            {"mechanism": "defense.1.gaussian-noise", "level": "client", "epsilon": None}]
+    rows = compare([folder("both", both, 0.1, 0.6), folder("bare", both[2:], 0.9, 0.9)], tmp_path / "out")
+    assert (rows[0]["epsilon"], rows[0]["epsilon_client"], rows[0]["dp_formal"]) == (2.0, 2.0, 2)
+    assert rows[1]["epsilon"] is None and rows[1]["dp_mechanisms"] == 1
+    assert rows[0]["mia-lira.auc"] == 0.6 and rows[1]["ig.ssim"] == 0.9
+    assert (tmp_path / "out" / "privacy_utility.png").is_file()
+    assert "privacy_utility.png" in (tmp_path / "out" / "comparison.md").read_text()
