@@ -7,16 +7,13 @@ et al. 2018, "Learning differentially private recurrent language models"; adapti
 al. 2021). fedsim runs Flower's four classes themselves; this module is the adapter that lets them wrap
 any fedsim rule (``[strategy.rule]``), not only Flower's strategies:
 
-=========================  ==============================================  =======================================
-name                       Flower class                                    parameters (besides ``rule``, ``delta``)
-=========================  ==============================================  =======================================
-``flwr-dp-server-fixed``   ``DifferentialPrivacyServerSideFixedClipping``  noise_multiplier, clipping_norm
-``flwr-dp-client-fixed``   ``DifferentialPrivacyClientSideFixedClipping``  noise_multiplier, clipping_norm
-``flwr-dp-server-adaptive`` ``DifferentialPrivacyServerSideAdaptiveClipping`` noise_multiplier, initial_clipping_norm,
-                                                                           target_clipped_quantile, clip_norm_lr,
-                                                                           clipped_count_stddev
-``flwr-dp-client-adaptive`` ``DifferentialPrivacyClientSideAdaptiveClipping`` (the same)
-=========================  ==============================================  =======================================
+* ``flwr-dp-server-fixed``: ``DifferentialPrivacyServerSideFixedClipping`` (noise_multiplier, clipping_norm);
+* ``flwr-dp-client-fixed``: ``DifferentialPrivacyClientSideFixedClipping`` (the same);
+* ``flwr-dp-server-adaptive``: ``DifferentialPrivacyServerSideAdaptiveClipping`` (noise_multiplier,
+  initial_clipping_norm, target_clipped_quantile, clip_norm_lr, clipped_count_stddev);
+* ``flwr-dp-client-adaptive``: ``DifferentialPrivacyClientSideAdaptiveClipping`` (the same);
+
+each also with fedsim's ``rule`` (the wrapped rule), ``delta`` and ``sampling_amplification``.
 
 Config::
 

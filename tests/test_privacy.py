@@ -87,7 +87,9 @@ def test_server_side_clipping_clips_each_update_and_the_documented_noise_reaches
     z, big = 1.0, 1e4
     noisy = dict(DP_SERVER, noise_multiplier=z, clipping_norm=big)
     rec, mia = type(recorder)(), OBSERVERS.build(MIA, "mia", cfg=small_cfg("federation.rounds=1"))
-    server, states, _ = run(small_cfg("federation.rounds=1", strategy=noisy), [rec, mia])
+    cfg = small_cfg("federation.rounds=1", strategy=noisy, attack=ATTACK)
+    server, states, summary = run(cfg, [rec, mia, *build_components(cfg)["observers"]])
+    assert summary["leakage"][0]["attack"] == "dlg"
     noise = states[1] - flat(rec.updates[0].global_weights) - weighted_update(rec.by_round()[1])
     sigma = z * big / 4
     assert server.rows[1]["strategy.noise_std"] == pytest.approx(sigma)
