@@ -24,10 +24,12 @@ ATTACK = {"name": "dlg", "rounds": [1], "victims": [0], "params": {"dlg": {"iter
 MIA = {"name": "curious-server-mia", "attacks": ["loss", "calibrated", "lira"], "shadows": 2}
 
 
-def run(cfg, observers=None):
-    """(server, [global model after each round], summary) of an in-process run."""
+def run(cfg, observers=None, out=None):
+    """(server, [global model after each round], summary) of an in-process run (files in ``out`` if given)."""
     grid = InProcessGrid(client_app, cfg["federation"]["num_clients"])
-    server = Server(cfg, None, observers, progress=False)
+    if out is not None:
+        out.mkdir(parents=True)
+    server = Server(cfg, out, observers, progress=False)
     states = []
     end = server.round_end
 
@@ -64,7 +66,8 @@ def exact_gaussian_epsilon(mu: float, delta: float) -> float:
 
 
 # --------------------------------------------------------------- server-side clipping clips, noise of sigma
-def test_server_side_clipping_clips_each_update_and_the_documented_noise_reaches_the_model(small_cfg, recorder):
+def test_server_side_clipping_clips_each_update_and_the_documented_noise_reaches_the_model(small_cfg, recorder,
+                                                                                           tmp_path):
     """Flower's DifferentialPrivacyServerSideFixedClipping around fedsim's fedavg. Without noise the applied
     update is exactly the example-weighted mean of the clipped updates (every raw update is longer than
     the bound), so its norm is <= the bound; with a bound no update reaches, the model minus the plain mean
@@ -88,8 +91,11 @@ def test_server_side_clipping_clips_each_update_and_the_documented_noise_reaches
     noisy = dict(DP_SERVER, noise_multiplier=z, clipping_norm=big)
     rec, mia = type(recorder)(), OBSERVERS.build(MIA, "mia", cfg=small_cfg("federation.rounds=1"))
     cfg = small_cfg("federation.rounds=1", strategy=noisy, attack=ATTACK)
-    server, states, summary = run(cfg, [rec, mia, *build_components(cfg)["observers"]])
-    assert summary["leakage"][0]["attack"] == "dlg"
+    server, states, summary = run(cfg, [rec, mia, *build_components(cfg)["observers"]], out=tmp_path / "noisy")
+    assert summary["leakage"][0]["attack"] == "dlg" and summary["membership"][2]["attack"] == "mia-lira"
+    assert (tmp_path / "noisy" / "membership_roc.png").is_file()
+    report = (tmp_path / "noisy" / "report.md").read_text()
+    assert "## Privacy guarantees" in report and "## Membership inference by the curious server" in report
     noise = states[1] - flat(rec.updates[0].global_weights) - weighted_update(rec.by_round()[1])
     sigma = z * big / 4
     assert server.rows[1]["strategy.noise_std"] == pytest.approx(sigma)
@@ -131,24 +137,20 @@ def test_each_wrapper_runs_with_an_attack_and_clips_as_flower_documents(small_cf
 @pytest.mark.ray
 def test_central_dp_with_client_side_clipping_and_an_attack_on_ray(small_cfg, tmp_path):
     """The real Flower simulation: Flower's adaptiveclipping_mod on the Ray actors, the wrapper on the server,
-    the curious server attacking (reconstruction and membership); epsilon per round in metrics.jsonl."""
+    the curious server attacking; epsilon per round in metrics.jsonl."""
     from fedsim.app.runner import run_experiment
     from fedsim.reports import read_jsonl
 
     strategy = {"name": "flwr-dp-client-adaptive", "noise_multiplier": 0.05, "initial_clipping_norm": 0.03}
     cfg = small_cfg('simulation.backend="ray"', "federation.rounds=2", strategy=strategy,
-                    client__flower_mods=[{"name": "adaptive-clipping"}], attack=ATTACK, output__observers=[MIA])
+                    client__flower_mods=[{"name": "adaptive-clipping"}], attack=ATTACK)
     out = run_experiment(cfg, out=tmp_path / "ray", progress=False)
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["replies"] for r in rows[1:]] == [4, 4] and all(0 <= r["norm_bit"] <= 1 for r in rows[1:])
     eps = [r["privacy.strategy.epsilon"] for r in rows[1:]]
     assert 0 < eps[0] < eps[1]
     assert rows[2]["strategy.clipping_norm"] != rows[1]["strategy.clipping_norm"]
-    assert (out / "leakage.jsonl").is_file() and (out / "membership_roc.png").is_file()
-    report = (out / "report.md").read_text()
-    assert "## Privacy guarantees" in report and "## Membership inference by the curious server" in report
-    mia = {r["attack"]: r for r in read_jsonl(out / "membership.jsonl") if r["client"] == "all"}
-    assert set(mia) == {"mia-loss", "mia-calibrated", "mia-lira"} and all(0 <= r["auc"] <= 1 for r in mia.values())
+    assert (out / "leakage.jsonl").is_file() and "## Privacy guarantees" in (out / "report.md").read_text()
 
 
 # --------------------------------------------------------------- epsilon, checked against the accountant
