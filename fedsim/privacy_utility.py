@@ -72,16 +72,15 @@ def plot_privacy_utility(rows: Sequence[Mapping[str, Any]], path: str | Path, ti
         panels.append(("ssim", "strongest reconstruction: SSIM", lambda r: strongest(r, "ssim")))
     if any(strongest(r, "auc")[0] is not None for r in rows):
         panels.append(("auc", "strongest membership attack: ROC AUC", lambda r: strongest(r, "auc")))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), squeeze=False, layout="constrained")
     for ax, (key, label, value) in zip(axes[0], panels):
         for k, r in enumerate(rows):
             v, who = value(r)
             if not _finite(v):
                 continue
             err = r.get(f"{key}_std") if key == "accuracy" else None
-            ax.errorbar(x(r), v, yerr=err, marker=_marker(r), linestyle="none", capsize=2, color=f"C{k % 10}")
-            text = str(r.get("variant", "")) + (f" ({who})" if who and key != "accuracy" else "")
-            ax.annotate(text, (x(r), v), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            ax.errorbar(x(r), v, yerr=err, marker=_marker(r), linestyle="none", capsize=2, color=_color(k),
+                        markersize=7, alpha=0.85)
         ax.set_xscale("log")
         ax.set_xlim(lo / 3 if eps else 0.3, none_x * 3)
         if eps:
@@ -92,19 +91,28 @@ def plot_privacy_utility(rows: Sequence[Mapping[str, Any]], path: str | Path, ti
         ax.set_xlabel("epsilon (best formal guarantee; none: no DP or no bound)", fontsize=7)
         ax.set_ylabel(label, fontsize=8)
         if key in ("accuracy", "ssim"):
-            ax.set_ylim(0, 1)
+            ax.set_ylim(-0.02, 1.02)
         else:
-            ax.set_ylim(0.4, 1)
+            ax.set_ylim(0.4, 1.02)
             ax.axhline(0.5, color="k", linestyle="--", linewidth=0.7)
         ax.grid(alpha=0.3)
     from matplotlib.lines import Line2D
 
     axes[0][0].legend(handles=[Line2D([], [], marker=m, linestyle="none", color="0.4", label=t) for m, t in (
         ("o", "sample-level"), ("s", "client-level"), ("X", "no formal guarantee"))], fontsize=6, loc="upper left")
+    fig.legend(handles=[Line2D([], [], marker=_marker(r), linestyle="none", color=_color(k), label=str(r.get("variant")))
+                        for k, r in enumerate(rows)], fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5),
+               title="variant", title_fontsize=7)
     fig.suptitle(title or "privacy-utility: accuracy and the strongest attacks against epsilon", fontsize=9)
     save_figure(fig, path)
     plt.close(fig)
     return str(path)
+
+
+def _color(k: int) -> Any:
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](k % 20)
 
 
 def _marker(row: Mapping[str, Any]) -> str:
