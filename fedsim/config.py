@@ -61,6 +61,14 @@ SCHEMA: dict[str, Field] = {
     "federation.clients_per_round": Field(int, 0, min=0, help="0 = all clients every round"),
     "federation.round_timeout": Field(NUM, 3600.0, min=1.0, help="seconds a round waits for its replies; "
                                       "clients that have not answered by then are recorded as failed"),
+    "federation.max_examples": Field(int, None, nullable=True, min=1,
+                                     help="the largest example count (num-examples) a client's reply may report; "
+                                     "a reply above it, or below 1, is that client's failure (unset: the "
+                                     "training set's size)"),
+    "federation.max_update_norm": Field(NUM, None, nullable=True, min=0, above_min=True,
+                                        help="robustness: a reply whose update (its model minus the model it was "
+                                        "sent) has a larger L2 norm is that client's failure (unset: no bound; "
+                                        "needs a channel that shows the server each model, e.g. plain)"),
     "data.dataset": Field(str, "fmnist-small", help="a built-in dataset, or your own: a registered name or an "
                           "import reference 'module:function' / 'path/file.py:function' (docs/plugins.md)"),
     "data.params": Field(dict, {}, help="keyword parameters of your own dataset function"),
@@ -508,6 +516,11 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
     transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
     check_compatible(type(channel), rule,
                      [(f"transforms[{i}]", type(t)) for i, t in enumerate(transforms)])
+    from fedsim.seams import INDIVIDUAL, capabilities
+
+    if cfg["federation"].get("max_update_norm") is not None and INDIVIDUAL not in capabilities(type(channel).provides):
+        raise ConfigError(f"federation.max_update_norm needs each client's model in plaintext, which channel "
+                          f"{channel.name!r} does not give the server (its own bounds apply: docs/failures.md)")
     for where, component in [("strategy", rule), ("channel", channel),
                              *((f"transforms[{i}]", t) for i, t in enumerate(transforms))]:
         try:

@@ -86,7 +86,7 @@ from fedsim.components import STRATEGIES, ConfigError, declared_params
 from fedsim.privacy import AGAINST_RELEASE, Mechanism
 from fedsim.protocol import ARRAYS, METRICS, arrays_record, decode_array
 from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import INDIVIDUAL, PLAINTEXT_AGGREGATE, AggregationRule
+from fedsim.seams import INDIVIDUAL, PLAINTEXT_AGGREGATE, AggregationRule, ModelSpec
 from fedsim.training import derive_seed
 
 from .flower import _check_range, _Nodes
@@ -252,6 +252,9 @@ class CentralDP(AggregationRule):
         self.inner.setup(param_names, cfg)
 
     # ---- a round ------------------------------------------------------------------------------------------
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        self.inner.check_reply(reply, model)  # what the wrapped rule reads; the wrapper reads the checked model
+
     def configure_train(self, server_round: int, config: dict[str, Any]) -> None:
         self.inner.configure_train(server_round, config)
         probe = ConfigRecord()
@@ -264,7 +267,7 @@ class CentralDP(AggregationRule):
         if sent is None:  # pragma: no cover - the compatibility check admits plaintext channels only
             raise RuntimeError(f"{self.name} needs the plaintext model the clients received")
         list(self.wrapper.configure_train(ctx.round, arrays_record(self.names, sent), ConfigRecord(), _Nodes()))
-        messages = [Message(RecordDict({ARRAYS: ArrayRecord(dict(r.record(ARRAYS).items())),
+        messages = [Message(RecordDict({ARRAYS: arrays_record(self.names, r.arrays),
                                         METRICS: MetricRecord(_metric_items(r.metrics))}),
                             dst_node_id=r.node_id, message_type=MessageType.TRAIN) for r in replies]
         self.strategy.ctx, self.strategy.originals = ctx, {id(m): r for m, r in zip(messages, replies)}
