@@ -123,6 +123,10 @@ class AggregationRule:
     name: ClassVar[str] = ""
     #: what the rule needs from the channel
     requires: ClassVar[frozenset[str]] = frozenset({INDIVIDUAL, PLAINTEXT_AGGREGATE})
+    #: whether the aggregate is the example-weighted mean of the client models (FedAvg's arithmetic): then one
+    #: client moves it by at most its weight times its update's norm, the sensitivity central DP calibrates
+    #: its noise to (strategies/dp.py); other rules get no formal guarantee from it
+    example_weighted_mean: ClassVar[bool] = False
 
     def validate_config(self, cfg: Mapping[str, Any]) -> None:
         """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
@@ -146,6 +150,11 @@ class AggregationRule:
     def metrics(self) -> dict[str, float]:
         """What the rule did this round (logged in metrics.jsonl under ``strategy.<key>``)."""
         return {}
+
+    def privacy(self, cfg: Mapping[str, Any]) -> list[Any]:
+        """The differential privacy the rule gives, as :class:`fedsim.privacy.Mechanism` entries (central DP:
+        ``strategies/dp.py``). Default: none."""
+        return []
 
     def state(self) -> dict[str, Any]:
         """What this component carries from one round to the next, for checkpoints: a dict of arrays,
@@ -391,9 +400,10 @@ CLIENT_CHANNELS.base = ClientChannel
 
 
 # ============================================================================= compatibility
-def check_compatible(channel: type[ServerChannel], rule: type[AggregationRule],
+def check_compatible(channel: type[ServerChannel], rule: type[AggregationRule] | AggregationRule,
                      transforms: Sequence[tuple[str, type[ServerTransform]]]) -> None:
-    """Refuse a rule or transform that needs something the channel does not give the server."""
+    """Refuse a rule or transform that needs something the channel does not give the server. ``rule`` may be
+    an instance: a rule that wraps another (central DP) needs what the wrapped rule needs, and more."""
     gives = capabilities(channel.provides)
     compatible = lambda need: sorted(n for n, c in CHANNELS.items() if need <= capabilities(c.provides))  # noqa: E731
     missing = rule.requires - gives
