@@ -7,7 +7,7 @@ runs each configured attack. Attacks never see ground truth.
 
 Scoring (the only place that sees truth) re-creates the victim's local batches without any channel
 from the client: the client's batch order is a pure function of (seed, round, client)
-(``fedsim.training.batch_schedule``) and its partition a pure function of the config, so the
+(``fedsim.training.batches.batch_schedule``) and its partition a pure function of the config, so the
 scorer recomputes exactly which samples the victim trained on. Reconstructions are matched to those
 samples by optimal assignment before PSNR/SSIM/MSE/label accuracy are computed. Records (tabular data,
 inputs ``(F,)``, e.g. ``breast-cancer``; seed 001 Table 3) are scored by :func:`fedsim.metrics.score_records`:
@@ -55,11 +55,14 @@ from attacks.base import AttackInput
 from fedsim import progress
 from fedsim.components import ATTACKS, KNOWLEDGE, OBSERVERS
 from fedsim.config import attack_data_problem
+from fedsim.device import resolve_device
 from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.metrics.records import MSE_THRESHOLD
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.protocol import BATCH_SIZE, NOISE_VARIANCE
-from fedsim.training import Recipe, derive_seed, iter_batches, resolve_device
+from fedsim.seeding import derive_seed
+from fedsim.training.batches import iter_batches
+from fedsim.training.recipe import Recipe
 
 
 def select_truth(recon: torch.Tensor, truth_x: torch.Tensor, truth_y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,7 +63,9 @@ from fedsim.factories import client_data, dataset_for, model_for, partitions_for
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.protocol import LR
 from fedsim.rounds import sample_partitions
-from fedsim.training import Recipe, batch_schedule, derive_seed, iter_batches
+from fedsim.seeding import derive_seed
+from fedsim.training.batches import batch_schedule, iter_batches
+from fedsim.training.recipe import Recipe
 
 from .curious import select_truth
 from .curious_client import invert_rows, invert_single, others_gradient, span_inversion

@@ -30,7 +30,9 @@ from attacks import AttackInput, build_attack
 from fedsim.data.registry import load_dataset
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
-from fedsim.training import Recipe, batch_schedule, local_train
+from fedsim.training.batches import batch_schedule
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 ATTACKS = ("dlg", "idlg", "cpl", "ig", "grnn", "ig-fr", "ig-bn")
 NEEDS_BN = {"ig-bn"}  # attacked on the same LeNet with BatchNorm after each convolution

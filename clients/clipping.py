@@ -25,7 +25,8 @@ from fedsim.defense import Defense, DefenseContext, LossFn, register
 from fedsim.factories import model_for, partitions_for
 from fedsim.privacy import AGAINST_SERVER, Mechanism, epsilon
 from fedsim.protocol import BATCH_SIZE, recipe_of
-from fedsim.training import Recipe, iter_batches
+from fedsim.training.batches import iter_batches
+from fedsim.training.recipe import Recipe
 
 
 def per_sample_gradients(module: nn.Module, params: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],

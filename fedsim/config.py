@@ -316,7 +316,7 @@ def validate(cfg: dict[str, Any]) -> None:
         if not isinstance(cfg.get(section, []), list) or not all(isinstance(d, dict) for d in cfg.get(section, [])):
             raise ConfigError(f"{section} must be a list of tables ([[{section}]] with name = ...)")
     if cfg["device"] != "auto":
-        from fedsim.training import resolve_device
+        from fedsim.device import resolve_device
 
         try:
             resolve_device(cfg["device"])

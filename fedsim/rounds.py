@@ -30,6 +30,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDic
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from fedsim.models.weights import get_weights
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.privacy import PrivacyLedger
 from fedsim.protocol import (
@@ -57,7 +58,7 @@ from fedsim.protocol import (
     train_config,
 )
 from fedsim.seams import AggregationRule, InvalidReply, ModelSpec, ServerChannel, ServerTransform
-from fedsim.training import derive_seed, get_weights
+from fedsim.seeding import derive_seed
 
 log = logging.getLogger("fedsim")
 

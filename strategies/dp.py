@@ -87,7 +87,7 @@ from fedsim.privacy import AGAINST_RELEASE, Mechanism
 from fedsim.protocol import ARRAYS, METRICS, arrays_record, decode_array
 from fedsim.rounds import Reply, RoundContext
 from fedsim.seams import INDIVIDUAL, PLAINTEXT_AGGREGATE, AggregationRule, ModelSpec
-from fedsim.training import derive_seed
+from fedsim.seeding import derive_seed
 
 from .flower import _check_range, _Nodes
 

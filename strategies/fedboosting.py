@@ -48,7 +48,7 @@ from fedsim.protocol import (
 )
 from fedsim.rounds import Reply, RoundContext
 from fedsim.seams import InvalidReply, ModelSpec, WeightedSumRule
-from fedsim.training import derive_seed
+from fedsim.seeding import derive_seed
 
 SHARES = ("random", "equal")
 SECRET_SOURCES = ("seed", "entropy")

@@ -50,7 +50,7 @@ from fedsim.seams import (
     ServerTransform,
     WeightedSumRule,
 )
-from fedsim.training import derive_seed
+from fedsim.seeding import derive_seed
 
 MODES = ("auto", "paper", "shift")
 SECRET_SOURCES = ("seed", "entropy")

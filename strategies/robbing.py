@@ -22,7 +22,7 @@ from fedsim.components import TRANSFORMS
 from fedsim.factories import dataset_for, model_for
 from fedsim.models.imprint import MEASUREMENTS, imprint_model, measurement_vector, quantile_bins
 from fedsim.seams import ServerTransform
-from fedsim.training import derive_seed
+from fedsim.seeding import derive_seed
 
 PREFIX = "imprint."
 

@@ -72,7 +72,7 @@ from fedsim.seams import (
     ModelSpec,
     ServerChannel,
 )
-from fedsim.training import derive_seed
+from fedsim.seeding import derive_seed
 
 AGGREGATE = -1  # the partition id of a reply that stands for several clients
 

@@ -280,7 +280,8 @@ def test_bn_statistics_knowledge_grants_the_victims_batch_statistics(tmp_path):
     statistics of the victim's first batch under the global model (recomputed here), and the rows say so."""
     from attacks.bn_prior import batch_bn_stats
     from fedsim.factories import client_data
-    from fedsim.training import Recipe, batch_schedule
+    from fedsim.training.batches import batch_schedule
+    from fedsim.training.recipe import Recipe
 
     cfg = demo_cfg(tmp_path, "federation.rounds=1", 'model.norm="batch"', "train.batch_size=4")
     cfg["attack"] = {"name": "ig-bn", "rounds": [1], "victims": [0], "knowledge": [{"name": "bn-statistics"}],

@@ -14,7 +14,9 @@ from clients.noise import GaussianNoise, LaplaceNoise
 from clients.pruning import PLD, Compress, GradDropout, Prune
 from fedsim.defense import DefenseContext, build_pipeline
 from fedsim.models import build_model
-from fedsim.training import Recipe, local_train, param_names
+from fedsim.models.weights import param_names
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 
 def _model(norm: str = "none", hidden=(64,), n_in: int = 20, seed: int = 0) -> torch.nn.Module:
@@ -451,7 +453,7 @@ def test_a_defense_computing_the_gradient_updates_batchnorm_statistics_once_per_
     in plain training (same initial model, same batch, one step)."""
     from fedsim.app import load_config
     from fedsim.factories import client_data, model_for
-    from fedsim.training import Recipe
+    from fedsim.training.recipe import Recipe
 
     cfg = load_config(None, ['model.norm="batch"', "train.local_steps=1", "train.batch_size=8",
                              "federation.num_clients=4"])

@@ -184,7 +184,8 @@ def test_local_mechanisms_are_accounted_per_client_and_dp_sgd_as_its_clients_cou
 
     from fedsim.factories import client_data, model_for
     from fedsim.protocol import train_config
-    from fedsim.training import Recipe, local_train
+    from fedsim.training.local import local_train
+    from fedsim.training.recipe import Recipe
 
     cfg = small_cfg(model__norm="none", defenses=[{"name": "dp-sgd", "clip_norm": 1.0, "noise_multiplier": 1.1}])
     parts = build_components(cfg)

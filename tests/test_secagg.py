@@ -31,7 +31,8 @@ from fedsim.inprocess import InProcessGrid
 from fedsim.reports import read_jsonl
 from fedsim.rounds import Reply, RoundContext
 from fedsim.seams import WeightedSumRule
-from fedsim.training import Recipe, batch_schedule
+from fedsim.training.batches import batch_schedule
+from fedsim.training.recipe import Recipe
 
 # 5 clients of unequal size (222, 347, 595, 552, 284 examples): the weighting matters
 BASE = ("federation.rounds=1", "federation.num_clients=5", 'data.partition="dirichlet"', "data.alpha=1.0")

@@ -23,7 +23,9 @@ from clients.slicing import (
 )
 from fedsim.defense import DefensePipeline, build_pipeline
 from fedsim.models import build_model
-from fedsim.training import Recipe, get_weights, local_train, set_weights
+from fedsim.models.weights import get_weights, set_weights
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 LENET_SIZES = [300, 12, 3600, 12, 3600, 12, 5880, 10]  # LeNet on 1x28x28, 10 classes
 

@@ -43,9 +43,9 @@ def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True, stop: Any
     from fedsim.app.client import client_app
     from fedsim.app.server import Server
     from fedsim.config import dump_toml
+    from fedsim.device import torch_threads
     from fedsim.inprocess import InProcessGrid
     from fedsim.reports import atomic_write_text
-    from fedsim.training import torch_threads
 
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.toml", dump_toml(cfg))

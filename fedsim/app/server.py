@@ -62,10 +62,12 @@ from fedsim.checkpoint import (
     write_checkpoint,
 )
 from fedsim.components import ConfigError
+from fedsim.device import resolve_device
 from fedsim.export import CsvLog
 from fedsim.factories import dataset_for, model_for
 from fedsim.inprocess import DelegatingGrid
 from fedsim.interrupt import RunInterrupted, StopSignal
+from fedsim.models.weights import get_weights, set_weights
 from fedsim.observers import Observer
 from fedsim.protocol import (
     CHANNEL_SETUP,
@@ -89,7 +91,8 @@ from fedsim.reports import (
 )
 from fedsim.rounds import RoundContext, RoundEngine, RoundRecord, sample_partitions
 from fedsim.seams import ModelSpec
-from fedsim.training import derive_seed, evaluate, get_weights, resolve_device, seed_everything, set_weights
+from fedsim.seeding import derive_seed, seed_everything
+from fedsim.training.evaluation import evaluate
 
 log = logging.getLogger("fedsim")
 

@@ -65,7 +65,7 @@ _LOCK_SALT = 0xFED3
 
 
 def _derive(*parts: int) -> int:
-    from fedsim.training import derive_seed
+    from fedsim.seeding import derive_seed
 
     return derive_seed(*parts)
 
