@@ -60,7 +60,7 @@ def make_cfg(channel: str, args: argparse.Namespace) -> dict:
 
 def _servers(grid, args: argparse.Namespace, channels) -> tuple[dict, dict]:
     from fedsim.app.server import Server
-    from fedsim.rounds import RoundContext, RoundRecord
+    from fedsim.seams import RoundContext, RoundRecord
 
     servers, states = {}, {}
     for name in channels:

@@ -65,8 +65,8 @@ from fedsim.protocol import (
     TRAIN,
     arrays_record,
 )
-from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WEIGHTED_SUM, ChannelError, ModelSpec, ServerChannel
+from fedsim.replies import ChannelError, ModelSpec, Reply
+from fedsim.seams import WEIGHTED_SUM, RoundContext, ServerChannel
 
 ENCRYPT = ("update", "model")
 
@@ -268,7 +268,7 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
                                    f"expects {want!r} this round")
 
     def check_reply(self, reply: Reply, model: ModelSpec) -> None:
-        """The per-reply check (``RoundEngine.check_reply`` calls it for every train reply; see
+        """The per-reply check (``fedsim.replies.ReplyChecker.check_reply`` calls it for every train reply; see
         :meth:`check_payload`): a bad payload is this client's recorded failure, never a crash of the
         combination. Keeps the payload in ``reply.extra`` and notes which global model the client holds."""
         if not reply.has(CHANNEL) or PAYLOAD not in reply.record(CHANNEL):

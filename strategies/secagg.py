@@ -16,7 +16,7 @@ Bell et al. 2020's SecAgg+ as implemented in Flower 1.41; nothing here masks or 
   training; each client uploads ``[w, w * params]`` quantized and masked, with ``w`` its example count
   over ``max_weight``: the unmasked result is FedAvg's example-weighted mean (up to the quantization).
 
-The server sees one aggregate per round: ``train_exchange`` returns a single :class:`fedsim.rounds.Reply`
+The server sees one aggregate per round: ``train_exchange`` returns a single :class:`fedsim.replies.Reply`
 standing for every contributor (``Reply.contributors``; its ``partition`` is ``AGGREGATE`` = -1), and
 observers get it as a ``ClientUpdate`` of kind ``"aggregate"``. What the server still learns: the
 aggregate, who contributed, each contributor's example count and training metrics (Flower's FitRes
@@ -63,15 +63,8 @@ from fedsim.protocol import (
     TRAIN,
     arrays_record,
 )
-from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import (
-    EXAMPLE_WEIGHTED_MEAN,
-    PLAINTEXT_AGGREGATE,
-    ChannelError,
-    InvalidReply,
-    ModelSpec,
-    ServerChannel,
-)
+from fedsim.replies import ChannelError, InvalidReply, ModelSpec, Reply
+from fedsim.seams import EXAMPLE_WEIGHTED_MEAN, PLAINTEXT_AGGREGATE, RoundContext, ServerChannel
 from fedsim.seeding import derive_seed
 
 AGGREGATE = -1  # the partition id of a reply that stands for several clients
@@ -497,7 +490,7 @@ class SecAggPlusChannel(ServerChannel):
                 n = compat.recorddict_to_fitres(msg.content, True).num_examples
             except Exception as exc:  # noqa: BLE001 - a malformed FitRes
                 raise InvalidReply(f"the reply's FitRes cannot be read ({type(exc).__name__}: {exc})") from None
-            n = grid.ctx.engine.check_count(n)
+            n = grid.ctx.engine.checks.check_count(n)
             if n > self.max_weight:
                 raise InvalidReply(f"num-examples = {n} is above channel.max_weight = {_fmt(self.max_weight)}")
 

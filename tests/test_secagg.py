@@ -28,9 +28,9 @@ from fedsim.app.server import Server
 from fedsim.components import STRATEGIES, ConfigError
 from fedsim.factories import client_data
 from fedsim.inprocess import InProcessGrid
+from fedsim.replies import Reply
 from fedsim.reports import read_jsonl
-from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WeightedSumRule
+from fedsim.seams import RoundContext, WeightedSumRule
 from fedsim.training.batches import batch_schedule
 from fedsim.training.recipe import Recipe
 

@@ -5,7 +5,7 @@ observers), lets the engine discover the clients and run the channel's setup exc
 every round:
 
 1. ``engine.run_round`` - send, collect, intercept (observers see every reply), aggregate; returns the
-   new global state and a :class:`fedsim.rounds.RoundRecord`;
+   new global state and a :class:`fedsim.seams.RoundRecord`;
 2. ``round_end`` - evaluate the global model (centrally when the server can read it, else by a client
    on the common test split), stop if no client's model reached the aggregate (or, when the channel
    says ``on_round_failure = "continue"``, record the round as failed and keep the global model), let
@@ -82,6 +82,7 @@ from fedsim.protocol import (
     TRAIN,
     train_config,
 )
+from fedsim.replies import ModelSpec
 from fedsim.reports import (
     append_jsonl,
     atomic_write_bytes,
@@ -89,8 +90,8 @@ from fedsim.reports import (
     write_json,
     write_report,
 )
-from fedsim.rounds import RoundContext, RoundEngine, RoundRecord, sample_partitions
-from fedsim.seams import ModelSpec
+from fedsim.rounds import RoundEngine, sample_partitions
+from fedsim.seams import RoundContext, RoundRecord
 from fedsim.seeding import derive_seed, seed_everything
 from fedsim.training.evaluation import evaluate
 
@@ -227,7 +228,7 @@ class Server:
         config[EVAL_DATA] = "local"
         content = RecordDict({CONFIG: config, **self.engine.channel.outgoing(state)})
         replies = self.engine.send(grid, chosen, EVALUATE, content, None, "client-evaluate", record.round, record,
-                                   self.engine.check_evaluation)
+                                   self.engine.checks.check_evaluation)
         if not replies:
             return {"client_evaluators": 0}
         accs = [float(r.metrics[EVAL_ACCURACY]) for r in replies]
