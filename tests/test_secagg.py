@@ -163,12 +163,12 @@ def test_defenses_and_flower_mods_run_inside_training_before_the_masking(small_c
 
 def test_flower_alone_halts_when_a_client_vanishes_before_sharing_keys(small_cfg, monkeypatch):
     """Flower 1.41 keeps such a client among the sampled ones and asks its neighbours for key shares they
-    never got: the repair in strategies/secagg.py (_Workflow) is what makes the case above pass."""
+    never got: the repair in strategies/secagg_workflow.py (Workflow) is what makes the case above pass."""
 
     class Vanilla(SecAggPlusWorkflow):
         last_check = None
 
-    monkeypatch.setattr(secagg_mod, "_Workflow", Vanilla)
+    monkeypatch.setattr(secagg_mod, "Workflow", Vanilla)
     cfg = small_cfg(*BASE, *secagg("channel.num_shares=5", "channel.reconstruction_threshold=3",
                                    "channel.dropout_clients=[2]", 'channel.dropout_stage="setup"',
                                    'channel.on_failure="continue"'))
