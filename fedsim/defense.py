@@ -1,7 +1,7 @@
 """The client defense interface (a seam of the core) and the pipeline that composes defenses in order.
 
 Defenses themselves are plugins (``clients/``); they subclass :class:`Defense` and register in
-:data:`fedsim.components.DEFENSES`. ``[[defenses]]`` entries are built by :func:`build_pipeline`.
+:data:`fedsim.components.DEFENSES`. ``[[defenses]]`` entries are built by :func:`fedsim.config.client_pipeline`.
 
 A defense acts at the stage where it belongs (see ``fedsim.training.local.local_train``):
 
@@ -227,8 +227,3 @@ class _RoundRunner:
             state.update({f"{i}.{k}": np.asarray(v) for k, v in c.state.items()})
             metrics.update({f"defense.{i}.{d.name}.{k}": float(v) for k, v in d.metrics().items()})
         return state, metrics
-
-
-def build_pipeline(entries: Sequence[Mapping[str, Any]]) -> DefensePipeline:
-    """Instantiate ``[[defenses]]`` entries (tables with ``name`` and parameters), validating each key."""
-    return DefensePipeline(DEFENSES.build_list(list(entries), "defenses"))

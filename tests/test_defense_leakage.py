@@ -32,8 +32,8 @@ import torch
 
 from attacks import AttackInput, build_attack
 from fedsim.app.cli import main
+from fedsim.config import client_pipeline
 from fedsim.data.registry import load_dataset
-from fedsim.defense import build_pipeline
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
 from fedsim.models.weights import set_weights
@@ -77,7 +77,7 @@ def make_victim(k: int, defenses=(), steps: int = 1, round: int = 1):
     idx = [IMAGES[k]] if round == 1 else [IMAGES[k], IMAGES[k] + 1]
     x, y = DS.x_train[idx], DS.y_train[idx]
     recipe = Recipe(lr=LR, batch_size=1, local_steps=steps)
-    pipeline = build_pipeline(list(defenses))  # one pipeline object for the client's lifetime
+    pipeline = client_pipeline({"defenses": list(defenses)})  # one pipeline object for the client's lifetime
     state: dict[str, np.ndarray] = {}
     for r in range(1, round + 1):
         global_state = {n: v.detach().clone() for n, v in net.state_dict().items()}

@@ -87,13 +87,6 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (),
     return spec.base, spec.variants
 
 
-def load_sweep_seeds(path: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = ()
-                     ) -> tuple[dict[str, Any], list[tuple[str, dict]], list[int] | None]:
-    """:func:`load_sweep` plus the file's ``seeds`` (None when it has none)."""
-    spec = load_spec(path, overrides, only)
-    return spec.base, spec.variants, spec.seeds
-
-
 def _check_quick(quick: Any, p: Path, labels: Sequence[str]) -> dict[str, Any]:
     if not isinstance(quick, dict):
         raise ConfigError(f"{p}: [quick] must be a table (set = [...], variants = [...], seeds = [...])")
