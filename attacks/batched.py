@@ -24,7 +24,7 @@ update each victim's entries exactly as they would alone. What differs from one-
 order of floating-point summations (dot products, grouped convolutions), i.e. rounding.
 
 Inputs can be stacked when they share the global weights, the recipe, the input shape, the class
-count, the batch size and the device (:func:`group_inputs`).
+count, the batch size and the device (:func:`attacks.base.group_inputs`).
 """
 from __future__ import annotations
 
@@ -41,40 +41,6 @@ from fedsim import progress
 
 from ._common import Stagnation, Target, prepare_target
 from .base import AttackInput
-
-
-# ---------------------------------------------------------------- grouping
-def _same_state(a: AttackInput, b: AttackInput) -> bool:
-    if a.global_state is b.global_state:
-        return True
-    if list(a.global_state) != list(b.global_state):
-        return False
-    return all(a.global_state[k] is b.global_state[k] or
-               (a.global_state[k].shape == b.global_state[k].shape and torch.equal(a.global_state[k],
-                                                                                   b.global_state[k]))
-               for k in a.global_state)
-
-
-def _compatible(a: AttackInput, b: AttackInput) -> bool:
-    return (tuple(a.input_shape) == tuple(b.input_shape) and a.num_classes == b.num_classes
-            and a.batch_size == b.batch_size and a.bounds == b.bounds
-            and torch.device(a.device) == torch.device(b.device)
-            and dict(a.recipe) == dict(b.recipe) and int(a.num_examples) == int(b.num_examples)
-            and _same_state(a, b))
-
-
-def group_inputs(inputs: Sequence[AttackInput], max_group: int | None = None) -> list[list[int]]:
-    """Indices of ``inputs`` partitioned into stackable groups (first-come order, at most ``max_group``
-    per group)."""
-    groups: list[list[int]] = []
-    for i, inp in enumerate(inputs):
-        for g in groups:
-            if (max_group is None or len(g) < max_group) and _compatible(inputs[g[0]], inp):
-                g.append(i)
-                break
-        else:
-            groups.append([i])
-    return groups
 
 
 # ---------------------------------------------------------------- stacked target

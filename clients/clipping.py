@@ -20,7 +20,7 @@ from opacus.accountants import RDPAccountant
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from clients.noise import UpdateDefense
+from clients.update_defense import UpdateDefense
 from fedsim.defense import Defense, DefenseContext, LossFn, register
 from fedsim.factories import model_for, partitions_for
 from fedsim.privacy import AGAINST_SERVER, Mechanism, epsilon

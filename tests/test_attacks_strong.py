@@ -15,7 +15,8 @@ import torch
 
 from attacks import AttackInput, build_attack
 from attacks._common import prepare_target
-from attacks.batched import BatchedLBFGS, StackedTarget, group_inputs
+from attacks.base import group_inputs
+from attacks.batched import BatchedLBFGS, StackedTarget
 from attacks.grnn import GRNNGenerator, build_generator, wasserstein
 from fedsim.data.registry import load_dataset
 from fedsim.metrics import score_reconstruction

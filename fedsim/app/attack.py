@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fedsim.app import validate
 from fedsim.config import ConfigError, absolute_references, apply_overrides, defaults
@@ -111,9 +111,8 @@ def _attack(args: argparse.Namespace, stop: Any) -> int:
     return 0
 
 
-def add_attack_command(sub: Any) -> None:
-    from fedsim.app.cli import output_arguments
-
+def add_attack_command(sub: Any, output_arguments: Callable[[Any], None]) -> None:
+    """The ``attack`` subcommand; ``output_arguments`` adds the CLI's shared --quiet/--verbose."""
     a = sub.add_parser("attack", help="attack a single client update (no federation)",
                        description="Train one client once from the seeded initial model, attack its update "
                                    "like a curious server, score the reconstruction and write a report.")
