@@ -44,6 +44,7 @@ from fedsim.crypto.paillier import (
     private_key_to_bytes,
     public_key_from_bytes,
 )
+from fedsim.crypto.paillier.payload import _HEAD as PAYLOAD_HEAD
 from fedsim.crypto.quantize import Quantizer, range_exponent
 from fedsim.inprocess import InProcessGrid
 from fedsim.protocol import CHANNEL, PAYLOAD, RANGE_EXPONENT, STATE_CHANNEL
@@ -443,7 +444,7 @@ class Drop:
 
 def _rewrite(payload: bytes, drop_last: bool = False, **fields) -> bytes:
     """A payload with header fields replaced (and the digest recomputed, as anyone can)."""
-    head = list(pl._HEAD.unpack_from(payload, 0))
+    head = list(PAYLOAD_HEAD.unpack_from(payload, 0))
     names = ["magic", "version", "mode", "bits", "slot_bits", "slots", "key_bits", "clip", "max_total_weight",
              "total_weight", "num_values", "num_ciphertexts", "width", "fingerprint"]
     for k, v in fields.items():
@@ -453,7 +454,7 @@ def _rewrite(payload: bytes, drop_last: bool = False, **fields) -> bytes:
         width = head[names.index("width")]
         body = body[:-width]
         head[names.index("num_ciphertexts")] -= 1
-    h = pl._HEAD.pack(*head)
+    h = PAYLOAD_HEAD.pack(*head)
     return h + hashlib.sha256(h + body).digest() + body
 
 
