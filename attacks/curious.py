@@ -54,7 +54,7 @@ from scipy.optimize import linear_sum_assignment
 from attacks.base import AttackInput
 from fedsim import progress
 from fedsim.components import ATTACKS, KNOWLEDGE, OBSERVERS
-from fedsim.config import attack_data_problem
+from fedsim.config_checks import attack_data_problem
 from fedsim.device import resolve_device
 from fedsim.factories import client_data, dataset_for, model_for
 from fedsim.metrics.records import MSE_THRESHOLD

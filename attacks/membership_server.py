@@ -230,7 +230,7 @@ class CuriousServerMIA(Observer):
     def lira(self, t: _Target, x: torch.Tensor, y: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Shadow clients from the sent model, the victim's recipe and defenses, on balanced halves of the
         candidates; returns the scores and what the shadows mimicked."""
-        from fedsim.config import client_pipeline
+        from fedsim.build import client_pipeline
 
         recipe = Recipe.from_mapping({**self.cfg["train"], **t.recipe})
         gen = torch.Generator().manual_seed(derive_seed(self.seed, t.round, t.client, 0x11A))

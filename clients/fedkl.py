@@ -104,7 +104,7 @@ class FedKL(Defense):
     # ---- helpers ------------------------------------------------------------------------------------
     def _need_cfg(self) -> Mapping[str, Any]:
         if self.cfg is None:
-            raise ValueError("fedkl needs the run config (build the pipeline with fedsim.config.client_pipeline)")
+            raise ValueError("fedkl needs the run config (build the pipeline with fedsim.build.client_pipeline)")
         return self.cfg
 
     def draw_key(self, client: int) -> np.ndarray:

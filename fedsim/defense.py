@@ -1,7 +1,7 @@
 """The client defense interface (a seam of the core) and the pipeline that composes defenses in order.
 
 Defenses themselves are plugins (``clients/``); they subclass :class:`Defense` and register in
-:data:`fedsim.components.DEFENSES`. ``[[defenses]]`` entries are built by :func:`fedsim.config.client_pipeline`.
+:data:`fedsim.components.DEFENSES`. ``[[defenses]]`` entries are built by :func:`fedsim.build.client_pipeline`.
 
 A defense acts at the stage where it belongs (see ``fedsim.training.local.local_train``):
 

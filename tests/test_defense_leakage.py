@@ -32,7 +32,7 @@ import torch
 
 from attacks import AttackInput, build_attack
 from fedsim.app.cli import main
-from fedsim.config import client_pipeline
+from fedsim.build import client_pipeline
 from fedsim.data.registry import load_dataset
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 from clients.clipping import DPSGD, ClipGradient, ClipUpdate
 from clients.noise import GaussianNoise, LaplaceNoise
 from clients.pruning import PLD, Compress, GradDropout, Prune
-from fedsim.config import client_pipeline
+from fedsim.build import client_pipeline
 from fedsim.defense import DefenseContext
 from fedsim.models import build_model
 from fedsim.models.weights import param_names

@@ -15,8 +15,9 @@ from scipy.stats import norm
 
 from fedsim.app.client import client_app
 from fedsim.app.server import Server
+from fedsim.build import build_components
 from fedsim.components import OBSERVERS
-from fedsim.config import ConfigError, build_components
+from fedsim.config import ConfigError
 from fedsim.inprocess import InProcessGrid
 
 DP_SERVER = {"name": "flwr-dp-server-fixed", "noise_multiplier": 0.0, "clipping_norm": 0.01}  # raw norms 0.02-0.035

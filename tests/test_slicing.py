@@ -14,14 +14,13 @@ from torch.nn import functional as F
 from clients.slicing import (
     _RISK_CACHE,
     LocalRandomPerturbation,
-    SlicingPlan,
     biased_root,
-    build_plan,
-    layer_risk,
     num_perturbed,
     reservoir_sample,
 )
-from fedsim.config import client_pipeline
+from clients.slicing_plan import SlicingPlan, build_plan
+from clients.slicing_risk import layer_risk
+from fedsim.build import client_pipeline
 from fedsim.defense import DefensePipeline
 from fedsim.models import build_model
 from fedsim.models.weights import get_weights, set_weights

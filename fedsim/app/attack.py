@@ -80,7 +80,7 @@ def _cmd_attack(args: argparse.Namespace) -> int:
 
 
 def _attack(args: argparse.Namespace, stop: Any) -> int:
-    from fedsim.config import check_data
+    from fedsim.config_checks import check_data
     from fedsim.reports import new_run_dir
     from fedsim.runfolder import RunFolderError, open_run_folder
 

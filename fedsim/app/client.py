@@ -37,9 +37,9 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from fedsim.app import load_plugins
+from fedsim.build import client_pipeline
 from fedsim.checkpoint import restore_client_state, save_client_state
 from fedsim.components import CLIENT_CHANNELS, FLOWER_MODS
-from fedsim.config import client_pipeline
 from fedsim.device import resolve_device
 from fedsim.factories import client_data, client_validation_data, dataset_for, model_for
 from fedsim.models.weights import set_weights

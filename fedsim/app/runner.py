@@ -28,7 +28,8 @@ from typing import Any, Iterator, Sequence
 
 from fedsim import progress
 from fedsim.app import build_components
-from fedsim.config import check_data, dump_toml
+from fedsim.config import dump_toml
+from fedsim.config_checks import check_data
 from fedsim.device import torch_threads
 from fedsim.factories import model_for
 from fedsim.interrupt import RunInterrupted, StopSignal, handle_signals

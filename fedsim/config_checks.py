@@ -1,0 +1,105 @@
+"""The checks of a config against what it names: the data it loads and partitions, the model and
+dataset it builds (built-in or a user's own, :mod:`fedsim.components`), and whether the configured
+attacks can reconstruct that data. :func:`fedsim.config.validate` runs them; every problem is a
+:class:`ConfigError` naming the key."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from fedsim.components import ConfigError
+
+
+def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
+    """Everything the run needs from its data, checked now rather than inside every client: the dataset
+    loads (its files are present and intact), the public root split fits, and the client partition can
+    be drawn (``data.classes_per_client``, ``data.alpha``, ``data.max_per_class``,
+    ``federation.num_clients`` against the training set). The partition computed here is cached for the
+    run. Raises ConfigError naming the key, or DatasetUnavailable (only with ``require_available``:
+    validation alone tolerates a dataset that is missing here, since the runner reports it before
+    anything is written)."""
+    from fedsim.data import DatasetUnavailable
+    from fedsim.factories import dataset_for, partitions_for
+
+    try:
+        ds = dataset_for(cfg)
+    except DatasetUnavailable:
+        if require_available:
+            raise
+        return
+    except ValueError as exc:  # root_size and other dataset parameters
+        raise ConfigError(str(exc)) from None
+    problem = attack_data_problem(cfg, ds.in_shape)
+    if problem:
+        raise ConfigError(problem)
+    try:
+        parts = partitions_for(cfg)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    empty = [i for i, p in enumerate(parts) if len(p) == 0]
+    if empty:
+        raise ConfigError(f"data.partition = {cfg['data']['partition']!r} leaves clients {empty[:5]} without "
+                          f"samples ({len(ds.y_train)} training samples, federation.num_clients = "
+                          f"{cfg['federation']['num_clients']})")
+
+
+def attack_data_problem(cfg: Mapping[str, Any], in_shape: Sequence[int]) -> str | None:
+    """Records (tabular data, inputs (F,)) can be attacked only by the attacks that reconstruct them
+    (``supports_records``); the message naming ``attack.name``, or None."""
+    from fedsim.components import ATTACKS
+
+    attack = cfg.get("attack") or {}
+    if len(in_shape) == 3 or not attack or attack.get("enabled", True) is False:
+        return None
+    names = [attack.get("name", "dlg")] if isinstance(attack.get("name", "dlg"), str) else list(attack["name"])
+
+    def for_records(n: str) -> bool:
+        try:
+            return bool(getattr(ATTACKS.lookup(n, "attack.name"), "supports_records", False))
+        except ConfigError:
+            return True  # an unknown name is reported by the attack's own validation
+
+    images_only = [n for n in names if not for_records(n)]
+    if not images_only:
+        return None
+    ok = sorted(n for n in ATTACKS.names() if for_records(n))
+    return (f"attack.name {images_only}: reconstructs images (C, H, W) only; data.dataset = "
+            f"{cfg['data']['dataset']!r} has records of {tuple(in_shape)} features (attacks for records: {ok})")
+
+
+def check_model_and_data(cfg: Mapping[str, Any]) -> None:
+    """``model.name`` / ``data.dataset``: a built-in name, or a user's own model / dataset (a name
+    registered in :data:`fedsim.components.MODELS` / ``DATASETS`` or an import reference), whose
+    ``params`` are checked against the keyword parameters it declares - the same mechanism, and the
+    same messages, as every other component."""
+    from fedsim.components import DATASETS as DATA_PLUGINS
+    from fedsim.components import MODELS as MODEL_PLUGINS
+    from fedsim.models import BUILTIN_ONLY, MODELS
+
+    m, d = cfg["model"], cfg["data"]
+    if m["name"] in MODELS:
+        if m.get("params"):
+            raise ConfigError(f"model.params is for your own model; the built-in {m['name']!r} takes "
+                              f"{list(BUILTIN_ONLY)} in [model]")
+    else:
+        if m["name"] not in MODEL_PLUGINS:
+            raise ConfigError(f"model.name must be one of {sorted(set(MODELS) | set(MODEL_PLUGINS.names()))} or "
+                              f"an import reference ('module:attribute' or 'path/file.py:attribute'), got {m['name']!r}")
+        builder = MODEL_PLUGINS.lookup(m["name"], "model.name")
+        MODEL_PLUGINS.check_params(builder, m["name"], m.get("params") or {}, "model.params")
+        given = [k for k in BUILTIN_ONLY if m.get(k) is not None]
+        if given:
+            raise ConfigError(f"model.{given[0]} applies to the built-in models only; give your model's own "
+                              f"parameters in model.params")
+    from fedsim.data import DATASETS as BUILTIN_DATASETS
+
+    builtin = sorted(BUILTIN_DATASETS)
+    if d["dataset"] in builtin:
+        if d.get("params"):
+            raise ConfigError(f"data.params is for your own dataset; the built-in {d['dataset']!r} takes none")
+    else:
+        if d["dataset"] not in DATA_PLUGINS:
+            raise ConfigError(f"data.dataset must be one of {sorted(set(builtin) | set(DATA_PLUGINS.names()))} or "
+                              f"an import reference ('module:attribute' or 'path/file.py:attribute'), got "
+                              f"{d['dataset']!r}")
+        loader = DATA_PLUGINS.lookup(d["dataset"], "data.dataset")
+        DATA_PLUGINS.check_params(loader, d["dataset"], d.get("params") or {}, "data.params")
