@@ -280,26 +280,36 @@ def batched_lbfgs_loop(variables: list[torch.Tensor],
             elif len(losses[v]) >= caps[v]:  # its budget is spent (stopped stays None)
                 stop.append(j)
         stack_tick(it + 1, iterations, [d for d, lo in zip(dv, lv) if math.isfinite(lo)], len(rows), V)
-        with torch.no_grad():
-            if better:
-                bj = torch.tensor(better, device=device)
-                bv = rows.index_select(0, bj)
-                for f, c in zip(final, cur):
-                    f.index_copy_(0, bv, c.detach().index_select(0, bj))
-            step = opt.direction(_flat(grads))
-            offset = 0
-            new = []
-            for c in cur:
-                n = c[0].numel()
-                new.append(c.detach() + step[:, offset:offset + n].view_as(c))
-                offset += n
-            cur = new
-            if stop:
-                keep = torch.tensor([j for j in range(len(rows)) if j not in set(stop)], dtype=torch.long,
-                                    device=device)
-                rows = rows.index_select(0, keep)
-                cur = [c.index_select(0, keep) for c in cur]
-                opt.keep(keep)
+        cur, rows = _advance(opt, final, cur, rows, grads, better, stop)
     traces = [{"loss": losses[v], "iterations": len(losses[v]), "converged_at": converged[v],
                "diverged": diverged[v], "stopped": stopped[v]} for v in range(V)]
     return final, traces
+
+
+@torch.no_grad()
+def _advance(opt: "BatchedLBFGS", final: list[torch.Tensor], cur: list[torch.Tensor], rows: torch.Tensor,
+             grads: Sequence[torch.Tensor], better: list[int], stop: list[int]
+             ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One iteration's bookkeeping of :func:`batched_lbfgs_loop`: the stack positions in ``better`` keep
+    their current iterate as their best (in ``final``), every victim takes its L-BFGS step, and the
+    positions in ``stop`` leave the stack. Returns the new iterates and the victims still optimised."""
+    device = rows.device
+    if better:
+        bj = torch.tensor(better, device=device)
+        bv = rows.index_select(0, bj)
+        for f, c in zip(final, cur):
+            f.index_copy_(0, bv, c.detach().index_select(0, bj))
+    step = opt.direction(_flat(grads))
+    offset = 0
+    new = []
+    for c in cur:
+        n = c[0].numel()
+        new.append(c.detach() + step[:, offset:offset + n].view_as(c))
+        offset += n
+    cur = new
+    if stop:
+        keep = torch.tensor([j for j in range(len(rows)) if j not in set(stop)], dtype=torch.long, device=device)
+        rows = rows.index_select(0, keep)
+        cur = [c.index_select(0, keep) for c in cur]
+        opt.keep(keep)
+    return cur, rows
