@@ -38,12 +38,6 @@ class Field:
         return self.choices() if callable(self.choices) else self.choices
 
 
-def _datasets() -> list[str]:
-    from fedsim.data import DATASETS
-
-    return sorted(DATASETS)
-
-
 NUM = (int, float)
 
 SCHEMA: dict[str, Field] = {
@@ -295,11 +289,12 @@ def validate(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"data.min_per_class ({data['min_per_class']}) must be <= data.max_per_class "
                           f"({data['max_per_class']})")
     if data["partition"] == "natural":
-        from fedsim.data import DATASETS
+        from fedsim.data import builtin_datasets
 
-        if not DATASETS[data["dataset"]].sources:
+        builtin = builtin_datasets()
+        if not builtin[data["dataset"]].sources:
             raise ConfigError(f"data.partition = 'natural' needs a dataset with natural sources "
-                              f"({sorted(n for n, e in DATASETS.items() if e.sources)}), got {data['dataset']!r}")
+                              f"({sorted(n for n, e in builtin.items() if e.sources)}), got {data['dataset']!r}")
     if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
         raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
     if not train["momentum"] < 1:

@@ -71,35 +71,35 @@ def check_model_and_data(cfg: Mapping[str, Any]) -> None:
     registered in :data:`fedsim.components.MODELS` / ``DATASETS`` or an import reference), whose
     ``params`` are checked against the keyword parameters it declares - the same mechanism, and the
     same messages, as every other component."""
-    from fedsim.components import DATASETS as DATA_PLUGINS
-    from fedsim.components import MODELS as MODEL_PLUGINS
-    from fedsim.models import BUILTIN_ONLY, MODELS
+    from fedsim.components import DATASETS as DATASETS
+    from fedsim.components import MODELS
+    from fedsim.models import BUILTIN_ONLY, is_builtin_model
 
     m, d = cfg["model"], cfg["data"]
-    if m["name"] in MODELS:
+    if is_builtin_model(m["name"]):
         if m.get("params"):
             raise ConfigError(f"model.params is for your own model; the built-in {m['name']!r} takes "
                               f"{list(BUILTIN_ONLY)} in [model]")
     else:
-        if m["name"] not in MODEL_PLUGINS:
-            raise ConfigError(f"model.name must be one of {sorted(set(MODELS) | set(MODEL_PLUGINS.names()))} or "
+        if m["name"] not in MODELS:
+            raise ConfigError(f"model.name must be one of {MODELS.names()} or "
                               f"an import reference ('module:attribute' or 'path/file.py:attribute'), got {m['name']!r}")
-        builder = MODEL_PLUGINS.lookup(m["name"], "model.name")
-        MODEL_PLUGINS.check_params(builder, m["name"], m.get("params") or {}, "model.params")
+        builder = MODELS.lookup(m["name"], "model.name")
+        MODELS.check_params(builder, m["name"], m.get("params") or {}, "model.params")
         given = [k for k in BUILTIN_ONLY if m.get(k) is not None]
         if given:
             raise ConfigError(f"model.{given[0]} applies to the built-in models only; give your model's own "
                               f"parameters in model.params")
-    from fedsim.data import DATASETS as BUILTIN_DATASETS
+    from fedsim.data import builtin_datasets
 
-    builtin = sorted(BUILTIN_DATASETS)
+    builtin = sorted(builtin_datasets())
     if d["dataset"] in builtin:
         if d.get("params"):
             raise ConfigError(f"data.params is for your own dataset; the built-in {d['dataset']!r} takes none")
     else:
-        if d["dataset"] not in DATA_PLUGINS:
-            raise ConfigError(f"data.dataset must be one of {sorted(set(builtin) | set(DATA_PLUGINS.names()))} or "
+        if d["dataset"] not in DATASETS:
+            raise ConfigError(f"data.dataset must be one of {DATASETS.names()} or "
                               f"an import reference ('module:attribute' or 'path/file.py:attribute'), got "
                               f"{d['dataset']!r}")
-        loader = DATA_PLUGINS.lookup(d["dataset"], "data.dataset")
-        DATA_PLUGINS.check_params(loader, d["dataset"], d.get("params") or {}, "data.params")
+        loader = DATASETS.lookup(d["dataset"], "data.dataset")
+        DATASETS.check_params(loader, d["dataset"], d.get("params") or {}, "data.params")

@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedsim.models import MODELS, build_model
+from fedsim.models import build_model, builtin_models
+
+MODELS = builtin_models()
 
 IMAGE_MODELS = [m for m in MODELS if m != "mlp"]
 
