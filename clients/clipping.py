@@ -12,10 +12,10 @@ usual approximation (as in Abadi et al.'s own experiments).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from opacus.accountants import RDPAccountant
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -23,6 +23,9 @@ from clients.noise import UpdateDefense
 from fedsim.defense import Defense, DefenseContext, LossFn, register
 from fedsim.factories import model_for
 from fedsim.protocol import BATCH_SIZE
+
+if TYPE_CHECKING:
+    from opacus.accountants import RDPAccountant
 
 
 def per_sample_gradients(module: nn.Module, params: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
@@ -151,6 +154,8 @@ class DPSGD(Defense):
 
     # -- accountant state in ctx.state
     def _load_accountant(self, ctx: DefenseContext) -> RDPAccountant:
+        from opacus.accountants import RDPAccountant  # here: the import costs seconds at start-up
+
         acct = RDPAccountant()
         hist = ctx.state.get(self.STATE_KEY)
         if hist is not None:
