@@ -24,9 +24,9 @@ client colludes or the server is malicious.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import time
-import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -70,6 +70,8 @@ from fedsim.protocol import (
 )
 from fedsim.rounds import Reply, RoundContext
 from fedsim.seams import WEIGHTED_SUM, ChannelError, ServerChannel
+
+log = logging.getLogger("fedsim")
 
 
 class EncryptedModel:
@@ -116,8 +118,8 @@ class PaillierChannel(ServerChannel):
         elif self.slots not in (None, 1):
             raise ValueError(f"channel.slots must be 1 (or unset) without packing, got {self.slots}")
         if self.key_bits < DEFAULT_KEY_BITS:
-            warnings.warn(f"channel.key_bits = {self.key_bits} is below {DEFAULT_KEY_BITS}: fine for "
-                          "experiments, not for protecting anything", stacklevel=2)
+            log.warning("channel.key_bits = %d is below %d: fine for experiments, not for protecting anything",
+                        self.key_bits, DEFAULT_KEY_BITS)
 
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         self.cfg = cfg
