@@ -47,7 +47,7 @@ from fedsim.protocol import (
     for_model,
 )
 from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WeightedSumRule
+from fedsim.seams import InvalidReply, ModelSpec, WeightedSumRule
 from fedsim.training import derive_seed
 
 SHARES = ("random", "equal")
@@ -150,6 +150,13 @@ class FedBoosting(WeightedSumRule):
     def train_loss(reply: Reply) -> float:
         m = reply.metrics
         return float(m[FINAL_TRAIN_LOSS] if FINAL_TRAIN_LOSS in m else m[TRAIN_LOSS])
+
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        """The training loss the weights are computed from: a finite number."""
+        key = FINAL_TRAIN_LOSS if FINAL_TRAIN_LOSS in reply.metrics else TRAIN_LOSS
+        v = reply.metrics.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise InvalidReply(f"fedboosting reads the reply's {key}, which must be a finite number, got {v!r}")
 
     def weights(self, ctx: RoundContext, replies: list[Reply]) -> list[float]:
         n = len(replies)

@@ -69,7 +69,7 @@ from fedsim.protocol import (
     train_config,
 )
 from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WEIGHTED_SUM, ChannelError, ServerChannel
+from fedsim.seams import WEIGHTED_SUM, ChannelError, ModelSpec, ServerChannel
 
 log = logging.getLogger("fedsim")
 
@@ -175,7 +175,7 @@ class PaillierChannel(ServerChannel):
         return {ARRAYS: arrays_record(self.names, state),
                 CHANNEL: self._channel_record(**{PUBLIC_KEY: public_key_to_bytes(self.public_key)})}
 
-    def accept(self, reply: Reply) -> None:
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
         if not reply.has(CHANNEL) or PAYLOAD not in reply.record(CHANNEL):
             raise ChannelError("the reply carries no ciphertexts")
         rec = reply.record(CHANNEL)

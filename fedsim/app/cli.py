@@ -33,6 +33,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if out is not None and Path(out) != Path(args.resume):
             raise ConfigError(f"--out {out} and --resume {args.resume} name different folders")
         out = args.resume
+    if args.resume_without_client_state and not args.resume:
+        raise ConfigError("--resume-without-client-state continues a run: give it with --resume RUN_FOLDER")
     sets = [*(args.set or []), *_shortcuts(args)]
     if args.config is None:
         if not args.resume:
@@ -48,7 +50,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from fedsim.app.runner import run_experiment
 
     run_dir = run_experiment(cfg, out=out, progress=not args.quiet, overwrite=args.overwrite,
-                             resume=bool(args.resume))
+                             resume=bool(args.resume), without_client_state=args.resume_without_client_state)
     print(f"[fedsim] results in {run_dir}  (report: {Path(run_dir) / 'report.md'})")
     return 0
 
@@ -194,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override simulation.backend: ray (the clients in parallel Ray actors; a few seconds of "
                         "start-up) or inprocess (no Ray: one client after another in this process; starts at "
                         "once: better for short runs, 1-2 cores and debugging)")
+    r.add_argument("--resume-without-client-state", action="store_true",
+                   help="with --resume: continue although client-state files are missing or damaged; every client "
+                   "starts without its state (residuals, accountants, keys), so the run is no longer exact")
     r.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("sweep", help="run every variant of an experiment and tabulate them",
@@ -281,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"fedsim: error: {exc}", file=sys.stderr)
                 return 2
             run_dir = getattr(exc, "run_dir", None)
+            if isinstance(exc, OSError) and exc.filename is not None:  # a disk that is full, read-only, gone
+                kept = f"; last completed round in {run_dir}/summary.json" if run_dir else "; nothing was kept"
+                print(f"fedsim: the run failed: cannot write {exc.filename}: {exc.strerror or exc}{kept}",
+                      file=sys.stderr)
+                return 1
             if run_dir is None:
                 raise  # not a run's failure: a bug, keep the traceback
             line = f"{type(exc).__name__}: {exc}".splitlines()[0]

@@ -39,6 +39,8 @@ import threading
 from typing import Any, Callable, Iterator, Mapping
 
 log = logging.getLogger("fedsim")
+#: times a message is run again on a restarted actor after its actor died under it
+ACTOR_RETRIES = 2
 ALIVE_TIMEOUT = 30.0  # seconds idle actors get to answer before a finished run's pool is discarded
 
 
@@ -80,7 +82,12 @@ def backend_config(cfg: Mapping[str, Any], gpu_available: bool, loud: bool = Fal
                             "include_dashboard": False}
     if sim.get("ray_address"):
         init["address"] = sim["ray_address"]
-    return {"client_resources": {"num_cpus": int(sim["num_cpus"]), "num_gpus": gpus}, "init_args": init}
+    # max_restarts: Ray restarts a client actor whose process died (kill -9, the OOM killer, a crash in
+    # native code); without it Flower puts the dead actor back into its pool, where it fails most of the
+    # following messages at once (see fedsim.app.runner._ray_backend_hooks)
+    return {"client_resources": {"num_cpus": int(sim["num_cpus"]), "num_gpus": gpus, "max_restarts": -1,
+                                 "max_task_retries": ACTOR_RETRIES},
+            "init_args": init}
 
 
 class Runtime:
@@ -259,12 +266,18 @@ def backend_class(base: type) -> type:
             else:
                 self.pool, self.app_fn = pool, app_fn
 
-        def terminate(self) -> None:
+        def keep(self) -> bool:
+            """Leave the pool (or, when it cannot serve again, the killing of its actors) and Ray to
+            :data:`RUNTIME` for the next run; False outside :func:`shared` and on a joined cluster."""
             if RUNTIME.keep_pool(self.pool, self.client_resources):
                 self.pool = None
-                return
-            super().terminate()  # Flower's: the actors, then ray.shutdown()
-            RUNTIME.ray_stopped()
+                return True
+            return False
+
+        def terminate(self) -> None:
+            if not self.keep():
+                super().terminate()  # Flower's: the actors, then ray.shutdown()
+                RUNTIME.ray_stopped()
 
     return SharedRayBackend
 
