@@ -31,6 +31,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedsim.observers import ClientUpdate, Observer
+from fedsim.privacy import PrivacyLedger
 from fedsim.protocol import (
     ARRAYS,
     CLIENT_ID_KEYS,
@@ -131,6 +132,7 @@ class RoundRecord:
     rule_metrics: dict[str, float] = field(default_factory=dict)
     transform_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # by transform name
     channel_metrics: dict[str, float] = field(default_factory=dict)
+    privacy: dict[str, Any] = field(default_factory=dict)  # privacy.<mechanism>.epsilon/.delta (fedsim.privacy)
     seconds: float = 0.0  # training exchange + aggregation (+ evaluation, set by the round-end step)
 
     @property
@@ -145,6 +147,7 @@ class RoundRecord:
         out.update({f"channel.{k}": v for k, v in self.channel_metrics.items()})
         for name, m in self.transform_metrics.items():
             out.update({f"{name}.{k}": v for k, v in m.items()})
+        out.update(self.privacy)
         return out
 
 
@@ -188,7 +191,8 @@ class RoundEngine:
     def __init__(self, cfg: Mapping[str, Any], param_names: Sequence[str], rule: AggregationRule,
                  channel: ServerChannel, transforms: Sequence[ServerTransform] = (),
                  observers: Sequence[Observer] = (), timeout: float | None = 3600.0,
-                 fixed_partitions: Sequence[int] | None = None, model: ModelSpec | None = None):
+                 fixed_partitions: Sequence[int] | None = None, model: ModelSpec | None = None,
+                 privacy: PrivacyLedger | None = None):
         self.cfg = cfg
         self.param_names = list(param_names)
         from fedsim.factories import dataset_for, model_for
@@ -201,6 +205,7 @@ class RoundEngine:
         self.max_update_norm = fed.get("max_update_norm")
         self.rule, self.channel, self.transforms = rule, channel, list(transforms)
         self.observers = list(observers)
+        self.privacy = privacy if privacy is not None else PrivacyLedger()
         self.timeout = timeout
         self.fixed_partitions = list(fixed_partitions) if fixed_partitions is not None else None
         self.clients_per_node = int(cfg.get("simulation", {}).get("clients_per_node", 1) or 1)
@@ -468,6 +473,7 @@ class RoundEngine:
         self._notify(server_round, replies, sent, config)
         record.contributors = [p for r in replies for p in (r.contributors or [r.partition])]
         if not replies:
+            record.privacy = self.privacy.row() if self.privacy else {}
             return state, record
         record.train_metrics = dict(aggregate_metricrecords(
             [RecordDict({METRICS: r.record(METRICS)}) for r in replies], NUM_EXAMPLES))
@@ -481,6 +487,8 @@ class RoundEngine:
             new_state = self.channel.initial(arrays)
         self.check_global(server_round, new_state)
         record.channel_metrics = dict(self.channel.metrics())
+        if self.privacy:  # after the rule: a central-DP rule has recorded this round's release
+            record.privacy = self.privacy.after_round(server_round, record.contributors, config)
         return new_state, record
 
     def _notify(self, server_round: int, replies: list[Reply], sent: list[np.ndarray] | None,

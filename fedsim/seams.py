@@ -123,6 +123,10 @@ class AggregationRule:
     name: ClassVar[str] = ""
     #: what the rule needs from the channel
     requires: ClassVar[frozenset[str]] = frozenset({INDIVIDUAL, PLAINTEXT_AGGREGATE})
+    #: whether the aggregate is the example-weighted mean of the client models (FedAvg's arithmetic): then one
+    #: client moves it by at most its weight times its update's norm, the sensitivity central DP calibrates
+    #: its noise to (strategies/dp.py); other rules get no formal guarantee from it
+    example_weighted_mean: ClassVar[bool] = False
 
     def validate_config(self, cfg: Mapping[str, Any]) -> None:
         """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
@@ -146,6 +150,11 @@ class AggregationRule:
     def metrics(self) -> dict[str, float]:
         """What the rule did this round (logged in metrics.jsonl under ``strategy.<key>``)."""
         return {}
+
+    def privacy(self, cfg: Mapping[str, Any]) -> list[Any]:
+        """The differential privacy the rule gives, as :class:`fedsim.privacy.Mechanism` entries (central DP:
+        ``strategies/dp.py``). Default: none."""
+        return []
 
     def state(self) -> dict[str, Any]:
         """What this component carries from one round to the next, for checkpoints: a dict of arrays,
@@ -258,6 +267,12 @@ class ServerChannel:
         """Records that carry the global state to a client (train and evaluate messages)."""
         raise NotImplementedError
 
+    def outgoing_to_trained(self, state: Any) -> dict[str, Any]:
+        """Records that carry ``state`` (a weighted mean of this round's replies) to clients that trained on
+        this round's global model (FedBoosting's validators): a channel may leave out what they already
+        hold. Default: :meth:`outgoing`."""
+        return self.outgoing(state)
+
     def check_reply(self, reply: Reply, model: ModelSpec) -> None:
         """Check one reply's payload against the model and this channel's settings before anything uses
         it; raise :class:`ChannelError` (an :class:`InvalidReply`) naming what is wrong if it is unusable:
@@ -273,6 +288,15 @@ class ServerChannel:
     def plaintext(self, state: Any) -> Arrays | None:
         """The state as plaintext arrays, or None when the server cannot read it."""
         return None
+
+    def checkpoint_arrays(self, state: Any) -> Arrays | None:
+        """The global state as arrays for a checkpoint (default: its plaintext; None: it cannot be saved).
+        An encrypted channel returns its ciphertexts (with :meth:`state` holding no secret)."""
+        return self.plaintext(state)
+
+    def from_checkpoint_arrays(self, arrays: Arrays) -> Any:
+        """The global state from :meth:`checkpoint_arrays`' arrays (after :meth:`load_state`)."""
+        return self.initial(arrays)
 
     def client_view(self, reply: Reply) -> dict[str, Any]:
         """What an observer may see of one reply: ``weights`` (lazy) or ``payload`` + ``kind``."""
@@ -376,9 +400,10 @@ CLIENT_CHANNELS.base = ClientChannel
 
 
 # ============================================================================= compatibility
-def check_compatible(channel: type[ServerChannel], rule: type[AggregationRule],
+def check_compatible(channel: type[ServerChannel], rule: type[AggregationRule] | AggregationRule,
                      transforms: Sequence[tuple[str, type[ServerTransform]]]) -> None:
-    """Refuse a rule or transform that needs something the channel does not give the server."""
+    """Refuse a rule or transform that needs something the channel does not give the server. ``rule`` may be
+    an instance: a rule that wraps another (central DP) needs what the wrapped rule needs, and more."""
     gives = capabilities(channel.provides)
     compatible = lambda need: sorted(n for n, c in CHANNELS.items() if need <= capabilities(c.provides))  # noqa: E731
     missing = rule.requires - gives

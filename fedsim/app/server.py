@@ -176,7 +176,8 @@ class Server:
         self.observers = list(parts["observers"] if observers is None else observers)
         self.engine = RoundEngine(cfg, self.names, parts["rule"], parts["channel"], parts["transforms"],
                                   self.observers, timeout=float(cfg["federation"].get("round_timeout", 3600.0)),
-                                  fixed_partitions=fixed_partitions, model=ModelSpec.of(self.names, self.initial))
+                                  fixed_partitions=fixed_partitions, model=ModelSpec.of(self.names, self.initial),
+                                  privacy=parts["privacy"])
         self.eval_model = model_for(cfg)
         self.rows: list[dict[str, Any]] = []
         self.csv = CsvLog(out / "metrics.csv") if out is not None else None
@@ -297,10 +298,11 @@ class Server:
         observers = [obs.state() for obs in self.observers]
         self._committed_observers = observers
         components = {"strategy": engine.rule.state(), "channel": engine.channel.state(),
-                      "transforms": [t.state() for t in engine.transforms], "observers": observers}
+                      "transforms": [t.state() for t in engine.transforms], "observers": observers,
+                      "privacy": engine.privacy.state()}
         mirror = self.out / CLIENT_STATE
         size, digest = metrics_prefix(self.out)
-        ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.plaintext(state)),
+        ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.checkpoint_arrays(state)),
                           components=components, rng=rng_state(), failures=list(engine.failures),
                           seconds=self.elapsed(), resumed=self.resumed, metrics_bytes=size, metrics_digest=digest,
                           client_state=self._digests.digests(mirror, rnd),
@@ -335,6 +337,7 @@ class Server:
         self.csv.write(rows)
         self.rows = rows
         pieces += [(f"observer {o.name!r}", o, st) for o, st in zip(self.observers, comps["observers"])]
+        pieces.append(("the privacy ledger", engine.privacy, comps.get("privacy", {})))
         for what, comp, st in pieces:
             try:
                 comp.load_state(st)
@@ -348,7 +351,7 @@ class Server:
             progress.say(f"resuming after round {ckpt.round} without the clients' state "
                          "(--resume-without-client-state): the run is no longer exact")
         set_rng_state(ckpt.rng)
-        state = engine.channel.initial([a.copy() for a in ckpt.arrays])
+        state = engine.channel.from_checkpoint_arrays([a.copy() for a in ckpt.arrays])
         self.completed, self.committed = ckpt.round, state
         return state
 
@@ -491,6 +494,8 @@ class Server:
         if self.client_state_dropped:
             summary["resumed_without_client_state"] = self.client_state_dropped
         summary.update(extra or {})
+        if self.engine.privacy:
+            summary["privacy"] = self.engine.privacy.describe()
         for obs in self.observers:
             summary.update(obs.on_finish())
         if self.out is not None:
@@ -502,7 +507,8 @@ class Server:
             if rows:
                 plot_accuracy(rows, self.out / "accuracy.png", title=self.cfg["name"])
             write_json(self.out / "summary.json", summary)
-            write_report(self.out, self.cfg, rows, summary, [obs.report_markdown() for obs in self.observers])
+            write_report(self.out, self.cfg, rows, summary,
+                         [self.engine.privacy.report_markdown(rows), *(obs.report_markdown() for obs in self.observers)])
         return summary
 
 
