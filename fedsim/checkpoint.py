@@ -339,13 +339,16 @@ def remove_temp_files(run_dir: str | Path) -> list[str]:
 def resume_blocker(channel: Any, rule: Any, transforms: Sequence[Any], observers: Sequence[Any]) -> str | None:
     """Why a run with these components cannot be checkpointed and resumed exactly, or None if it can.
 
-    The global model must be readable by the server (the channel provides the plaintext aggregate), a
+    The global model must be readable by the server (the channel provides the plaintext aggregate) or
+    the channel must save it in its own form (``checkpoint_arrays``, e.g. ciphertexts), a
     channel with a setup exchange must restore its state (``load_state``), and every component and
     observer must report its state (``state()`` returning a dict; an observer's default is None)."""
     from fedsim.seams import PLAINTEXT_AGGREGATE, ServerChannel
 
-    if PLAINTEXT_AGGREGATE not in type(channel).provides:
-        return f"channel {channel.name!r} keeps the global model from the server (no plaintext to checkpoint)"
+    if PLAINTEXT_AGGREGATE not in type(channel).provides and \
+            type(channel).checkpoint_arrays is ServerChannel.checkpoint_arrays:
+        return (f"channel {channel.name!r} keeps the global model from the server and cannot save it "
+                "(no checkpoint_arrays())")
     if type(channel).handshake is not ServerChannel.handshake and \
             type(channel).load_state is ServerChannel.load_state:
         return f"channel {channel.name!r} has a setup exchange but no load_state() to restore it"

@@ -267,6 +267,12 @@ class ServerChannel:
         """Records that carry the global state to a client (train and evaluate messages)."""
         raise NotImplementedError
 
+    def outgoing_to_trained(self, state: Any) -> dict[str, Any]:
+        """Records that carry ``state`` (a weighted mean of this round's replies) to clients that trained on
+        this round's global model (FedBoosting's validators): a channel may leave out what they already
+        hold. Default: :meth:`outgoing`."""
+        return self.outgoing(state)
+
     def check_reply(self, reply: Reply, model: ModelSpec) -> None:
         """Check one reply's payload against the model and this channel's settings before anything uses
         it; raise :class:`ChannelError` (an :class:`InvalidReply`) naming what is wrong if it is unusable:
@@ -282,6 +288,15 @@ class ServerChannel:
     def plaintext(self, state: Any) -> Arrays | None:
         """The state as plaintext arrays, or None when the server cannot read it."""
         return None
+
+    def checkpoint_arrays(self, state: Any) -> Arrays | None:
+        """The global state as arrays for a checkpoint (default: its plaintext; None: it cannot be saved).
+        An encrypted channel returns its ciphertexts (with :meth:`state` holding no secret)."""
+        return self.plaintext(state)
+
+    def from_checkpoint_arrays(self, arrays: Arrays) -> Any:
+        """The global state from :meth:`checkpoint_arrays`' arrays (after :meth:`load_state`)."""
+        return self.initial(arrays)
 
     def client_view(self, reply: Reply) -> dict[str, Any]:
         """What an observer may see of one reply: ``weights`` (lazy) or ``payload`` + ``kind``."""

@@ -174,7 +174,7 @@ class FedBoosting(WeightedSumRule):
         for k in range(n):
             mixture = replies[k:k + 1] if fusion[k, k] == 1.0 else replies
             w = [1.0] if fusion[k, k] == 1.0 else list(fusion[k])
-            for key, rec in ctx.channel.outgoing(ctx.channel.weighted_mean(mixture, w)).items():
+            for key, rec in ctx.channel.outgoing_to_trained(ctx.channel.weighted_mean(mixture, w)).items():
                 shared[for_model(key, k)] = rec
         t1 = time.perf_counter()
         answered = ctx.send(parts, CROSS_VALIDATE, shared, None, "crossval")
