@@ -218,10 +218,15 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("experiment", help="reproduce a paper's table: a named experiment (fedsim experiment --list)",
                        description="Run a named experiment (experiments/NAME.toml, or a file): a sweep whose report "
                                    "has tables shaped like the paper's, the systematic evaluation and the paper's "
-                                   "claims checked. Re-run into the same --out to skip completed variants.")
+                                   "claims checked. Re-run into the same --out to skip completed variants. "
+                                   "Every variant on Ray runs on one Ray runtime (Ray and the client actors start "
+                                   "once); --set simulation.backend='\"inprocess\"' skips Ray's start-up (the "
+                                   "clients run one after another): usually better for --quick and other short "
+                                   "variants on 1-2 cores.")
     _config_arguments(e, "experiment name (e.g. seed004-systematic) or file", "override a config value in every "
                       "variant that runs (repeatable)", "experiment folder", config_optional=True)
-    e.add_argument("--quick", action="store_true", help="the experiment's quick variant (minutes on 2 CPU cores)")
+    e.add_argument("--quick", action="store_true", help="the experiment's quick variant: a smoke test of the whole pipeline "
+                   "at a tiny scale (README: how long each takes)")
     e.add_argument("--list", action="store_true", help="list the experiments")
     e.add_argument("--only", action="append", metavar="LABEL", help="run only this variant (repeatable)")
     e.add_argument("--seeds", metavar="S1,S2,...", help="repeat every variant once per seed")
