@@ -64,8 +64,9 @@ def fedsim(checkout: Path, args: list[str], tmp: Path, python: str = sys.executa
     return {"wall": time.perf_counter() - t0, "ready": ready, "rc": rc, "tail": tail}
 
 
-def startup_seconds(run_dirs: list[Path]) -> float:
-    return sum(json.loads((d / "summary.json").read_text())["startup_seconds"] for d in run_dirs)
+def startup_seconds(run_dirs: list[Path]) -> list[float]:
+    """Each run's own ``startup_seconds`` (a sweep: in the order its runs ran)."""
+    return [json.loads((d / "summary.json").read_text())["startup_seconds"] for d in run_dirs]
 
 
 SWEEP = """
@@ -117,10 +118,12 @@ def measure(args, checkouts: dict[str, Path], tmp: Path) -> dict[tuple[str, str]
                     if res["rc"] != 0:
                         raise SystemExit(f"{name}: {row} failed (exit {res['rc']}): " + "\n".join(res["tail"]))
                     dirs = [out] if kind == "run" else sorted(p for p in out.iterdir() if (p / "summary.json").exists())
-                    res["startup"] = startup_seconds(dirs)
+                    each = startup_seconds(dirs)
+                    res["startup"] = sum(each)
                 results.setdefault((row, name), []).append(res)
-                print(f"  [{rep + 1}/{args.repeats}] {name:<8} {row:<26} {res['wall']:7.2f} s  exit {res['rc']}",
-                      file=sys.stderr, flush=True)
+                per_run = f"  start-up per run: {', '.join(f'{s:.2f}' for s in each)} s" if kind else ""
+                print(f"  [{rep + 1}/{args.repeats}] {name:<8} {row:<26} {res['wall']:7.2f} s  exit {res['rc']}"
+                      f"{per_run}  ({machine()})", file=sys.stderr, flush=True)
     return results
 
 
