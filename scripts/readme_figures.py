@@ -154,11 +154,29 @@ def demo(tmp: Path) -> dict[str, str]:
     return {"demo_seconds": demo_verdict(wall), "demo_accuracy": f"{summary['final_accuracy']:.2f}"}
 
 
+def elide(lines: list[str]) -> list[str]:
+    """Of each run of repeated "still ..." lines (the same message every few seconds): the first and
+    the last, with "..." between (a loaded machine repeats them dozens of times)."""
+    def key(ln: str) -> str | None:
+        m = re.match(r"(\[fedsim\] (?:still starting|round \d+/\d+: clients training))", ln)
+        return m.group(1) if m else None
+
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        j = i
+        while j + 1 < len(lines) and key(lines[i]) is not None and key(lines[j + 1]) == key(lines[i]):
+            j += 1
+        out += [lines[i], "...", lines[j]] if j - i >= 2 else lines[i:j + 1]
+        i = j + 1
+    return out
+
+
 def progress(tmp: Path) -> dict[str, str]:
     out = tmp / "progress"
     wait_quiet()
     wall, err = fedsim(["run", "experiments/default.toml", "--set", "federation.rounds=2", "--out", str(out)], tmp)
-    lines = [ln for ln in err.splitlines() if ln.startswith("[fedsim]") and "results in" not in ln]
+    lines = elide([ln for ln in err.splitlines() if ln.startswith("[fedsim]") and "results in" not in ln])
     summary = json.loads((out / "summary.json").read_text())
     return {"progress_example": block(lines),
             "progress_startup": f"{seconds(summary['startup_seconds'])} ({under_load(list(wall.loads))})"}
