@@ -113,6 +113,7 @@ def leakage_plot(rows: Sequence[Mapping[str, Any]], names: Sequence[str], record
         a2.plot(acc, ssim, marker="o", label=name)
     what = "MSE of reconstruction (standardised)" if records else "SSIM of reconstruction"
     a1.set_xlabel("round")
+    a1.xaxis.get_major_locator().set_params(integer=True)  # rounds, not 2.5
     a1.set_ylabel(what)
     a2.set_xlabel("global test accuracy")
     a2.set_ylabel(what)
@@ -147,8 +148,8 @@ def single_round_plot(rows: Sequence[Mapping[str, Any]], names: Sequence[str], r
             mean = np.nanmean(vals) if np.isfinite(vals).any() else np.nan
             ax.bar(xs, vals, width, label=f"{name} (mean {mean:.3g})")
     for ax, (_, key) in zip((a1, a2), keys):
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(victims))], [f"client {v}" for v in victims],
-                      fontsize=7)
+        centre = (len(names) - 1) * width / 2  # the middle of a victim's group of bars
+        ax.set_xticks([i + centre for i in range(len(victims))], [f"client {v}" for v in victims], fontsize=7)
         ax.set_ylabel(key)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=7)

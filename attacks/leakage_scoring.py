@@ -10,7 +10,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
 from fedsim.factories import client_data
 from fedsim.observers import ClientUpdate
@@ -22,6 +21,8 @@ def select_truth(recon: torch.Tensor, truth_x: torch.Tensor, truth_y: torch.Tens
     """From more candidate truths than reconstructions, keep the best-matching subset (min total MSE)."""
     if len(truth_x) <= len(recon):
         return truth_x, truth_y
+    from scipy.optimize import linear_sum_assignment  # here: the import costs a second at start-up
+
     cost = ((recon.flatten(1)[:, None, :] - truth_x.flatten(1)[None, :, :]) ** 2).mean(-1).numpy()
     _, cols = linear_sum_assignment(cost)
     idx = torch.as_tensor(np.sort(cols))

@@ -59,7 +59,8 @@ class Evaluator:
             return {"client_evaluators": 0}
         accs = [float(r.metrics[EVAL_ACCURACY]) for r in replies]
         n = [float(r.metrics[EVAL_EXAMPLES]) for r in replies]
-        return {"client_accuracy": sum(a * w for a, w in zip(accs, n)) / sum(n),
-                "client_loss": sum(float(r.metrics[EVAL_LOSS]) * w for r, w in zip(replies, n)) / sum(n),
+        share = [w / sum(n) for w in n]  # weights summing to 1: a huge (finite) loss cannot overflow the mean
+        return {"client_accuracy": sum(a * w for a, w in zip(accs, share)),
+                "client_loss": sum(float(r.metrics[EVAL_LOSS]) * w for r, w in zip(replies, share)),
                 "client_accuracy_min": min(accs), "client_accuracy_max": max(accs),
                 "client_evaluators": len(replies)}

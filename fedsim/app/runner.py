@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from fedsim import progress
 from fedsim.app import build_components
+from fedsim.app.ray_runtime import ACTOR_RETRIES, backend_class, backend_config, quiet_logs, starting_line  # noqa: F401
+from fedsim.checkpoint import CHECKPOINT
 from fedsim.config import dump_toml
 from fedsim.config_checks import check_data
 from fedsim.device import torch_threads
@@ -36,7 +38,7 @@ from fedsim.interrupt import RunInterrupted, StopSignal, handle_signals
 from fedsim.observers import Observer
 from fedsim.protocol import num_nodes
 from fedsim.reports import atomic_write_text, new_run_dir
-from fedsim.runfolder import RunFolderError, open_run_folder, read_summary
+from fedsim.runfolder import NOTHING_COMPLETED, RunFolderError, open_run_folder, read_summary
 
 log = logging.getLogger("fedsim")
 # seconds between the server's polls for replies on Flower's simulation grid: its default 0.1 s adds
@@ -54,42 +56,10 @@ def build_observers(cfg: dict[str, Any]) -> list[Observer]:
     return build_components(cfg)["observers"]
 
 
-def quiet_logs() -> None:
-    """Flower's and Ray's own logs off (at ERROR), unless ``--verbose`` (``fedsim.progress.VERBOSE``)."""
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    # Flower's usage telemetry posts from a thread pool that the interpreter joins at exit: offline, every
-    # run waited seconds for it before exiting. Off unless the user turned it on explicitly.
-    if os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0") == "0":
-        import sys
-
-        telemetry = sys.modules.get("flwr.supercore.telemetry")
-        if telemetry is not None and hasattr(telemetry, "FLWR_TELEMETRY_ENABLED"):
-            telemetry.FLWR_TELEMETRY_ENABLED = "0"  # read when the module was imported
-    level = logging.INFO if progress.verbose() else logging.ERROR
-    logging.getLogger("flwr").setLevel(level)  # Flower logs every round at INFO and deprecations
-    logging.getLogger("ray").setLevel(level)
-
-
 def _backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    sim = cfg["simulation"]
-    gpus = float(sim["num_gpus"])
-    if gpus == 0 and cfg["device"] != "cpu" and torch.cuda.is_available():
-        gpus = 0.25  # device=auto with a GPU present: share it between client actors
-    loud = progress.verbose()
-    init: dict[str, Any] = {"logging_level": "INFO" if loud else "ERROR", "log_to_driver": loud,
-                            "include_dashboard": False}
-    if sim.get("ray_address"):
-        init["address"] = sim["ray_address"]
-    # max_restarts: Ray restarts a client actor whose process died (kill -9, the OOM killer, a crash in
-    # native code); without it Flower puts the dead actor back into its pool, where it fails most of the
-    # following messages at once (see _ray_backend_hooks)
-    return {"client_resources": {"num_cpus": int(sim["num_cpus"]), "num_gpus": gpus, "max_restarts": -1,
-                                 "max_task_retries": ACTOR_RETRIES},
-            "init_args": init}
+    return backend_config(cfg, gpu_available=torch.cuda.is_available(), loud=progress.verbose())
 
 
 def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers: Sequence[Observer] | None = None,
@@ -136,6 +106,9 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
         if ckpt is not None:
             print(f"[fedsim] {run_dir} holds this run: resuming after round {ckpt.round} "
                   "(--overwrite starts it again)", file=sys.stderr)
+        elif resume and folder.decision.note == NOTHING_COMPLETED:
+            print(f"[fedsim] {run_dir} holds this run with no completed round: starting it again",
+                  file=sys.stderr)
         atomic_write_text(run_dir / "config.toml", dump_toml(cfg))
         quiet_logs()
         stop = stop if stop is not None else StopSignal()
@@ -146,7 +119,9 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
                 _run_ray(cfg, run_dir, observers, show, stop, ckpt)
     except RunInterrupted as exc:
         exc.run_dir = run_dir  # type: ignore[attr-defined]
-        if exc.completed_round is not None and cfg["output"].get("checkpoint", True):
+        # `--resume` continues from the checkpoint of the last completed round, or, when no round
+        # completed, starts the run again; a run that cannot checkpoint gets no hint (summary: resumable)
+        if exc.before_first_round or (run_dir / CHECKPOINT).is_file():
             exc.resume_hint = f"fedsim run --resume {run_dir}"  # type: ignore[attr-defined]
         raise
     except BaseException as exc:
@@ -168,10 +143,6 @@ def _run_inprocess(cfg, run_dir, observers, show, stop, ckpt) -> None:
 
     run_server(InProcessGrid(client_app, node_count(cfg)), cfg, run_dir, observers, show, stop=stop,
                resume=ckpt)
-
-
-#: times a message is run again on a restarted actor after its actor died under it
-ACTOR_RETRIES = 2
 
 
 @contextlib.contextmanager
@@ -197,9 +168,10 @@ def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
         return
     original = raybackend.RayBackend
 
-    class TrackedRayBackend(original):  # type: ignore[misc, valid-type]
+    class TrackedRayBackend(backend_class(original)):  # type: ignore[misc]
         def init_ray(self, backend_config: Any) -> None:
-            super().init_ray(backend_config)
+            with ray_keeps_signal_handlers():
+                super().init_ray(backend_config)
             stop.install()
 
         def build(self, app_fn: Any) -> None:
@@ -207,6 +179,8 @@ def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
             super().build(app_fn)
 
         def terminate(self) -> None:
+            if self.keep():  # inside ray_runtime.shared(): the idle actors and Ray serve the next run
+                return
             kill_client_actors([self], quiet=False)  # Flower's terminate() tasks would be retried (and logged)
             if self.pool is not None:
                 self.pool.pool.clear()
@@ -217,6 +191,30 @@ def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
         yield
     finally:
         raybackend.RayBackend = original
+
+
+@contextlib.contextmanager
+def ray_keeps_signal_handlers() -> Iterator[None]:
+    """While the block runs, ``ray.init`` does not install its own SIGTERM handler in the driver: Ray's
+    (``sys.exit(15)``) would hold SIGTERM for the seconds - a minute and more on a loaded machine - that
+    Ray takes to start, and a SIGTERM then ended the process with exit code 15, no line, and a summary
+    written behind the runner's back. fedsim's handler stays, so such a SIGTERM stops the run like any
+    other (:mod:`fedsim.interrupt`). Ray sets it through ``ray._private.utils.set_sigterm_handler``
+    (Ray 2.x); without that function, nothing is changed (the handler is put back after ``init_ray``)."""
+    try:
+        from ray._private import utils as ray_utils
+    except ImportError:  # pragma: no cover - another Ray layout
+        yield
+        return
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None:  # pragma: no cover
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
 
 
 def kill_client_actors(backends: Sequence[Any], quiet: bool = True) -> int:
@@ -240,6 +238,38 @@ def kill_client_actors(backends: Sequence[Any], quiet: bool = True) -> int:
     return killed
 
 
+#: seconds the runner waits for the ServerApp thread to write its summary once Flower's engine is gone
+SERVER_EXIT_WAIT = 120.0
+
+
+class _ServerLoop:
+    """Whether the ServerApp's main function runs: Flower runs it in a thread it does not join, and its
+    engine can return or die while the server loop still runs (or has not started). :meth:`engine_gone`
+    makes the runner wait until the loop has stopped and written the run's files (``summary.json``)
+    before it reads them, decides what to keep and unlocks the folder - not behind its back - and a loop
+    that had not started yet does not start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = self._gone = False
+        self.done = threading.Event()
+
+    def enter(self) -> bool:
+        """The server loop may start (False: the engine is already gone)."""
+        with self._lock:
+            self._started = not self._gone
+            return self._started
+
+    def engine_gone(self, stop: StopSignal) -> None:
+        with self._lock:
+            self._gone = True
+            running = self._started and not self.done.is_set()
+        if running:
+            stop.request("engine-stopped")  # a server loop still waiting on the dead engine gives up
+            if not self.done.wait(SERVER_EXIT_WAIT):  # it stops at its next safe point (a poll interval)
+                log.error("the ServerApp thread did not stop within %.0f s of the engine's end", SERVER_EXIT_WAIT)
+
+
 def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
@@ -250,10 +280,13 @@ def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
     errors: list[BaseException] = []
     stopped: list[RunInterrupted] = []
     backends: list[Any] = []
+    loop = _ServerLoop()
     server_app = ServerApp()
 
     @server_app.main()
     def _main(grid, context) -> None:
+        if not loop.enter():
+            return
         if hasattr(grid, "pull_interval"):
             grid.pull_interval = PULL_INTERVAL
         try:
@@ -264,6 +297,8 @@ def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
         except BaseException as exc:  # re-raised in the caller: run_simulation would only log it
             errors.append(exc)
             raise
+        finally:
+            loop.done.set()
 
     import torch
 
@@ -271,19 +306,19 @@ def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
     torch.set_num_threads(1)  # the actors use the cores; a spinning 2-thread evaluation here stalls them
     launched = time.perf_counter()
     with progress.suppressed(not show):
-        where = f"joining the Ray cluster at {cfg['simulation']['ray_address']}" if cfg["simulation"].get(
-            "ray_address") else "starting Ray"
-        progress.say(f"{where} for {node_count(cfg)} client nodes ({cfg['simulation']['num_cpus']} CPU each); "
-                     "Ray and its actors take a few seconds to start")
+        progress.say(starting_line(cfg, node_count(cfg)))
     try:
         with _ray_backend_hooks(stop, backends):
             run_simulation(server_app=server_app, client_app=client_app,
                            num_supernodes=node_count(cfg), backend_config=_backend_config(cfg))
     except BaseException:
-        stop.request("engine-stopped")  # a server thread still waiting on the dead engine gives up
+        loop.engine_gone(stop)
+        if stopped and stopped[0].signame.startswith("SIG"):  # the engine died of the user's signal
+            raise stopped[0] from None
         raise
     finally:
         torch.set_num_threads(threads)
+    loop.engine_gone(stop)
     if stopped:
         raise stopped[0]
     if errors:

@@ -78,10 +78,28 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
     for the hint an interruption prints (:func:`resume_command`). The progress line of each run shows
     the runs done of the total and an ETA from the runs that ran here (complete ones are skipped and
     do not count)."""
+    from fedsim.app import ray_runtime
+
+    with ray_runtime.shared():  # every variant's run shares Ray and, where their resources match, the actors
+        return _run_sweep(path, overrides, out, progress, only, seeds, overwrite, quick, command)
+
+
+def _prestart(cfgs: list[dict[str, Any]]) -> None:
+    from fedsim.app import ray_runtime
+
+    for cfg in cfgs:
+        if cfg["simulation"]["backend"] == "ray":
+            ray_runtime.prestart(cfg)  # the first Ray variant: its actors warm up while the rest is checked
+            return
+
+
+def _run_sweep(path: str | Path, overrides: Sequence[str], out: str | Path | None, progress: bool,
+               only: Sequence[str], seeds: Sequence[int] | None, overwrite: bool, quick: bool,
+               command: Sequence[str] | None) -> Path:
+    spec = load_spec(path, overrides, only, quick, checked=_prestart)  # no torch before its first pass
     from fedsim.config_checks import check_data
     from fedsim.runfolder import decide
 
-    spec = load_spec(path, overrides, only, quick)
     base, variants = spec.base, spec.variants
     given_seeds = list(seeds) if seeds is not None else None
     seeds = check_seeds(list(seeds), "--seeds") if seeds is not None else spec.seeds

@@ -7,10 +7,18 @@ import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fedsim.app import validate
-from fedsim.config import ConfigError, _merge, absolute_references, apply_overrides, defaults, read_toml
+from fedsim.config import (
+    ConfigError,
+    _merge,
+    absolute_references,
+    apply_overrides,
+    defaults,
+    precheck,
+    read_toml,
+)
 from fedsim.tables import check_claims, check_report
 
 
@@ -78,13 +86,33 @@ def _check_quick(quick: Any, p: Path, labels: Sequence[str]) -> dict[str, Any]:
     return quick
 
 
+def _labels(variants: list[dict[str, Any]]) -> tuple[list[str], dict[str, dict[str, str]]]:
+    """The variants' labels (non-empty, distinct) and their ``row`` / ``col`` / ``family``."""
+    labels: list[str] = []
+    meta: dict[str, dict[str, str]] = {}
+    for i, v in enumerate(variants):
+        label = v.get("label")
+        if not isinstance(label, str) or not label:
+            raise ConfigError(f"variants[{i}].label must be a non-empty string")
+        if label in labels:
+            raise ConfigError(f"variants[{i}].label {label!r} is used twice")
+        for k in VARIANT_META[1:]:
+            if k in v and not isinstance(v[k], str):
+                raise ConfigError(f"variants[{i}].{k} must be a string, got {v[k]!r}")
+        labels.append(label)
+        meta[label] = {"row": v.get("row", label), "col": v.get("col"), "family": v.get("family")}
+    return labels, meta
+
+
 def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = (),
-              quick: bool = False) -> SweepSpec:
+              quick: bool = False, checked: Callable[[list[dict[str, Any]]], None] | None = None) -> SweepSpec:
     """Read and validate a sweep/experiment file (every variant's config, the report specs and claims).
     ``quick`` applies the file's ``[quick]`` table: its ``set`` overrides come before ``overrides`` (then
     ``variant_set``: a variant's own quick overrides, for keys the other variants do not have, such as
     the parameters of an attack only it runs) and its ``variants`` choose the variants unless ``only``
-    does."""
+    does. Every variant passes the first pass (:func:`fedsim.config.precheck`, no heavy import) before
+    any is validated in full; ``checked`` is then called with their configs (``run_sweep`` starts Ray
+    there)."""
     p = Path(path)
     data = read_toml(p, "sweep file")
     seeds = check_seeds(data.pop("seeds")) if "seeds" in data else None
@@ -102,19 +130,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
     base = defaults()
     _merge(base, data)
     out = []
-    labels = []
-    meta: dict[str, dict[str, str]] = {}
-    for i, v in enumerate(variants):
-        label = v.get("label")
-        if not isinstance(label, str) or not label:
-            raise ConfigError(f"variants[{i}].label must be a non-empty string")
-        if label in labels:
-            raise ConfigError(f"variants[{i}].label {label!r} is used twice")
-        for k in VARIANT_META[1:]:
-            if k in v and not isinstance(v[k], str):
-                raise ConfigError(f"variants[{i}].{k} must be a string, got {v[k]!r}")
-        labels.append(label)
-        meta[label] = {"row": v.get("row", label), "col": v.get("col"), "family": v.get("family")}
+    labels, meta = _labels(variants)
     report_spec = check_report(report, f"{p}: report", base=str(p.parent))
     claims = check_claims(experiment.get("claims"), labels, f"{p}: experiment.claims")
     pre: list[str] = []
@@ -135,6 +151,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
     if unknown:
         raise ConfigError(f"--only {unknown}: no such variant; variants: {labels}")
     overrides = [*pre, *overrides]
+    index = {}
     for i, v in enumerate(variants):
         v = {k: x for k, x in v.items() if k not in VARIANT_META}
         label = labels[i]
@@ -146,10 +163,18 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
         try:
             apply_overrides(cfg, [*pre, *per_variant.get(label, []), *overrides[len(pre):]])
             absolute_references(cfg)
-            validate(cfg)
+            precheck(cfg)
         except ConfigError as exc:
             raise ConfigError(f"variants[{i}] ({label}): {exc}") from exc
+        index[label] = i
         out.append((label, cfg))
+    if checked is not None:
+        checked([cfg for _, cfg in out])
+    for label, cfg in out:
+        try:
+            validate(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"variants[{index[label]}] ({label}): {exc}") from exc
     # the base names the output folder and heads the report; every override was checked against every
     # selected variant above, and one that only a variant can take (defenses.<i>.<param>) skips the base
     for o in overrides:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fedsim.defense import DefenseContext, DefensePipeline
-from fedsim.protocol import NOISE_VARIANCE, TRAIN_ACCURACY, TRAIN_LOSS
+from fedsim.protocol import LOCAL_STEPS, NOISE_VARIANCE, TRAIN_ACCURACY, TRAIN_LOSS
 from fedsim.seeding import derive_seed
 from fedsim.training.batches import iter_batches
 from fedsim.training.loss import loss_function
@@ -96,7 +96,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
         runner.end_round(model)
     weights, new_state, dmetrics, extras = _outgoing(model, sd0, runner)
     metrics = {TRAIN_LOSS: total_loss / max(seen, 1), TRAIN_ACCURACY: total_correct / max(seen, 1),
-               "local_steps": float(steps), "train_seconds": time.perf_counter() - t0, **dmetrics}
+               LOCAL_STEPS: steps, "train_seconds": time.perf_counter() - t0, **dmetrics}
     return TrainResult(weights, len(y), metrics, new_state, extras)
 
 
