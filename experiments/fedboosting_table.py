@@ -1,13 +1,14 @@
-"""Seed 003 Table 4.3 / Fig. 4.5 in shape: FedAvg vs FedBoosting, plaintext vs Paillier, on non-IID data.
+"""Seed 003 Table 4.3 / Fig. 4.5: FedAvg vs FedBoosting, plaintext vs Paillier, style shift and label skew.
 
     python -m experiments.fedboosting_table [--out DIR] [--set key=value ...]
     python -m experiments.fedboosting_table --plot-only DIR     # redo table and figure from a finished sweep
 
 Runs ``experiments/fedboosting.toml`` (labels ``<split> <method>[ <protection>]``), then writes into the
-sweep folder ``table.md`` (rows: method x protection as in Table 4.3; for each split: the final test
-accuracy, the mean over the last 5 rounds, and the mean over all rounds - the area under the accuracy
-curve, higher when a method converges faster) and ``accuracy_curves.png`` (test accuracy per round,
-one panel per split). The experiment file names :func:`draw` in ``[[report.figures]]``, so ``fedsim
+sweep folder ``table.md`` (rows: method x protection as in Table 4.3; for each setting: the final
+test accuracy, the mean over the last 5 rounds, and the mean over all rounds - the area under the
+accuracy curve, higher when a method converges faster - each the mean over the seeds) and
+``accuracy_curves.png`` (test accuracy per round, one panel per setting, and below it FedBoosting's
+weight entropy per round; means over the seeds). The experiment file names :func:`draw` in ``[[report.figures]]``, so ``fedsim
 experiment fedboosting`` draws the curves too, shows them in its report and ``--publish`` copies them.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 SWEEP = Path(__file__).with_name("fedboosting.toml")
 FIGURE = "accuracy_curves.png"
 ROWS = (("FedAvg", "N/A"), ("FedAvg", "HE"), ("FedBoosting", "N/A"), ("FedBoosting", "DP"),
-        ("FedBoosting", "HE+DP"))
+        ("FedBoosting", "HE+DP"), ("FedBoosting", "code"))  # code: the authors' weighting (inverse losses)
 LAST = 5
 
 
@@ -99,7 +100,7 @@ def curves(runs: dict[tuple[str, str, str], list[dict[str, Any]]], path: Path) -
     entropy = any(r.get("strategy.weights_entropy_norm") is not None for rows in runs.values() for r in rows)
     fig, axes = plt.subplots(1 + entropy, len(splits), figsize=(6 * len(splits), 4.2 * (1 + entropy)),
                              squeeze=False)
-    style = {"N/A": "-", "HE": "--", "DP": ":", "HE+DP": "--"}
+    style = {"N/A": "-", "HE": "--", "DP": ":", "HE+DP": "--", "code": "-."}
     colour = {"FedAvg": "tab:blue", "FedBoosting": "tab:red"}
     seeds = max((r.get("seeds", 1) for rows in runs.values() for r in rows), default=1)
     for col, s in enumerate(splits):

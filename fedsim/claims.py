@@ -27,8 +27,9 @@ experiments). :func:`evaluate_claims` decides each claim on the per-seed numbers
   ``~=`` (equivalence): holds when the interval lies within ``[-margin, margin]``, does not hold when it
   lies entirely outside, else inconclusive. An interval of zero width (the same difference in every
   seed) decides like a point.
-* Inconclusive, whatever the interval: fewer than 3 seeds; a one-sided comparison of two cells that are
-  equal in every seed (a tie, e.g. both at a ceiling of 1.0: the measurement cannot order them); a
+* Inconclusive, whatever the interval: fewer than 3 seeds; a one-sided comparison of two cells without a
+  margin that are equal in every seed (a tie, e.g. both at a ceiling of 1.0: the measurement cannot order
+  them; with a margin, "costs at most 1 point", equality is evidence and the interval decides); a
   comparison of two leakage cells ``<attack>.<metric>`` whose attacks both failed in every seed (their
   ``<attack>.success_content`` is 0: no reconstruction met the attack's success line, SSIM >=
   ``ssim_threshold`` for images, MSE <= ``mse_threshold`` for records): two failures differ by noise.
@@ -187,14 +188,14 @@ def _cell_claim(c: Mapping[str, Any], by: Mapping[tuple[str, int], Mapping[str, 
     label, col = c["value"].rsplit(":", 1)
     number = _num(c["than"])
 
-    def cell(ref: Any, s: int) -> float | None:
+    def at(ref: Any, s: int) -> float | None:
         if _num(ref) is not None:
             return float(ref)
         lab, k = str(ref).rsplit(":", 1)
         return _num((by.get((lab, s)) or {}).get(k))
 
-    a = {s: cell(c["value"], s) for s in seeds}
-    b = {s: cell(c["than"], s) for s in seeds}
+    a = {s: at(c["value"], s) for s in seeds}
+    b = {s: at(c["than"], s) for s in seeds}
     used = [s for s in seeds if a[s] is not None and b[s] is not None]
     res: dict[str, Any] = {"value": c["value"], "than": c["than"], "op": op, "margin": m, "seeds": used,
                            "n": len(used), "level": LEVEL,
@@ -220,7 +221,7 @@ def _cell_claim(c: Mapping[str, Any], by: Mapping[tuple[str, int], Mapping[str, 
     verdict = decide(op, lo, hi, m)
     why = f"the {LEVEL:.0%} interval " + {"holds": "meets", "does not hold": "excludes",
                                            "inconclusive": "straddles"}[verdict] + " the claim's bound"
-    if number is None and op != WITHIN and all(abs(x) <= _TIE * max(1.0, abs(y)) for x, y in zip(d, xb)):
+    if number is None and op != WITHIN and m == 0 and all(abs(x) <= _TIE * max(1.0, abs(y)) for x, y in zip(d, xb)):
         verdict, why = "inconclusive", "tied in every seed (e.g. both at a ceiling): the measurement cannot order them"
     elif number is None and _both_failed(c["value"], c["than"], by, used):
         verdict, why = "inconclusive", ("both attacks failed in every seed (success_content 0: no reconstruction "
@@ -296,6 +297,11 @@ def verdict_of(c: Mapping[str, Any]) -> str:
     return {True: "holds", False: "does not hold"}.get(c.get("holds"), "not measured")
 
 
+def cell(text: Any) -> str:
+    """Text for a markdown table cell (a '|' would end the cell)."""
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
 def claims_markdown(results: Sequence[Mapping[str, Any]]) -> str:
     if not results:
         return ""
@@ -308,5 +314,5 @@ def claims_markdown(results: Sequence[Mapping[str, Any]]) -> str:
              "| claim | ours (mean ± std over seeds) | interval | verdict |", "|---|---|---|---|"]
     for r in results:
         text = r["text"] + (f" *(extension beyond the paper: {r['extension']})*" if r.get("extension") else "")
-        lines.append(f"| {text} | {r['ours']} | {r['interval']} | **{verdict_of(r)}**: {r['why']} |")
+        lines.append(f"| {cell(text)} | {cell(r['ours'])} | {cell(r['interval'])} | **{verdict_of(r)}**: {cell(r['why'])} |")
     return "\n".join(lines)

@@ -8,7 +8,9 @@ and every table has a quick row) and a
 ``NAME`` is a file or the stem of one in ``experiments/``. Re-running into the same ``--out`` skips
 the variants whose runs are complete. ``--publish DIR`` (e.g. ``docs/results``) copies the report
 and its figures to ``DIR/<name>/`` with the command, date and commit, and rewrites ``DIR/README.md``:
-every published experiment's claims, our numbers and whether they hold. The per-variant run folders
+every published experiment's claims, our numbers over the seeds, the interval and the verdict
+(:mod:`fedsim.claims`), then ``DIR/disagreements.md`` (hand-written). An experiment runs seeds 0, 1, 2
+unless its file or ``--seeds`` names others; ``--publish`` refuses fewer than three. The per-variant run folders
 are not published: the published report names them as plain text, relative to the run folder, instead
 of linking to them.
 """
@@ -126,7 +128,7 @@ def write_results_index(root: Path) -> None:
     """``root/README.md``: every published experiment's claims with the numbers over seeds, the interval
     that decided each, the seeds and the verdict; then ``root/disagreements.md`` (hand-written: where
     fedsim and the papers disagree, and why) when it exists."""
-    from fedsim.claims import LEVEL, MIN_SEEDS, verdict_of
+    from fedsim.claims import LEVEL, MIN_SEEDS, cell, verdict_of
 
     rows, counts = [], {}
     for d in sorted(p for p in root.iterdir() if (p / "meta.json").exists()):
@@ -141,9 +143,11 @@ def write_results_index(root: Path) -> None:
             seeds = ", ".join(str(s) for s in c["seeds"]) if "seeds" in c else "1 (before seeds)"
             text = c["text"] + (f" *(extension beyond the paper: {c['extension']})*" if c.get("extension") else "")
             why = f": {c['why']}" if c.get("why") else ""
-            rows.append(f"| {link} | {text} | {c['ours']} | {c.get('interval', '-')} | {seeds} | **{v}**{why} |")
-    summary = ", ".join(f"{counts[v]} {v}" for v in ("holds", "does not hold", "inconclusive", "not measured")
-                        if counts.get(v))
+            rows.append(f"| {link} | {cell(text)} | {cell(c['ours'])} | {cell(c.get('interval', '-'))} | {seeds} | "
+                        f"**{v}**{cell(why)} |")
+    plural = {"holds": "hold", "does not hold": "do not hold", "inconclusive": "inconclusive",
+              "not measured": "not measured"}
+    summary = ", ".join(f"{counts[v]} {v if counts[v] == 1 else plural[v]}" for v in plural if counts.get(v))
     lines = ["# Results\n", "Each folder holds an experiment's latest full report (`fedsim experiment NAME "
              "--publish docs/results`), with its command, date and commit. The table lists every paper claim "
              "the experiments check: what the paper says, what we measured, and the verdict. The reports say "
@@ -155,7 +159,8 @@ def write_results_index(root: Path) -> None:
              "value's mean against a fixed number. The claim **holds** when the whole interval lies on the "
              "claim's side of its bound, **does not hold** when it lies on the other side, and is "
              "**inconclusive** when it straddles the bound, when fewer than "
-             f"{MIN_SEEDS} seeds ran, when both sides tie in every seed (e.g. both at a ceiling of 1.0), or when "
+             f"{MIN_SEEDS} seeds ran, when a comparison without a margin ties in every seed (e.g. both at a ceiling of "
+             "1.0), or when "
              "it compares two attacks that both failed in every seed (no reconstruction met the attack's "
              "success line: `success_content` 0). Systematic-evaluation claims hold when they hold in every "
              "seed. Each claim is tested on its own at 95% (no multiple-comparison correction). A claim "

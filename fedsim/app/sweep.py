@@ -11,7 +11,9 @@ against leakage when the runs were attacked).
 ``seeds = [0, 1, 2]`` (top level, or ``fedsim sweep --seeds 0,1,2``) repeats every variant once per
 seed (``seed`` replaced; folders ``<nn>-<label>-seed<s>``): the table then shows ``mean ± std``
 (sample standard deviation) of every column, ``sweep.jsonl`` has the means and ``<column>_std``, and
-``runs.jsonl`` / ``runs.csv`` one row per run.
+``runs.jsonl`` / ``runs.csv`` one row per run. A file with an ``[experiment]`` table runs seeds 0, 1, 2
+unless it names its own (its claims are decided over them, :mod:`fedsim.claims`); its ``--quick``
+variant runs one seed unless ``[quick] seeds`` names more.
 
     seeds = [0, 1]
 
@@ -463,6 +465,8 @@ def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str,
     if exp:
         head += [f"Paper: {exp['paper']}.\n" if exp.get("paper") else "",
                  f"Scale: {exp['scale']}\n" if exp.get("scale") else "",
+                 f"Seeds: {', '.join(str(x) for x in seeds)} (every variant runs once per seed; the claims are "
+                 "decided over them)\n" if seeds and spec is not None and not spec.quick else "",
                  "**Quick variant** (`--quick`): a smoke-test scale, "
                  + (f"seeds {list(seeds)}" if seeds else "one seed")
                  + "; the numbers are not the experiment's, and a claim needs three seeds to be decided.\n"
