@@ -403,7 +403,7 @@ set = ["train.local_steps=1"]
 title = "accuracy"
 cells = ["accuracy", "test.wide_accuracy"]
 [federation]
-rounds = 1
+rounds = 2
 num_clients = 1
 [data]
 dataset = "synthetic-2d"
@@ -415,7 +415,7 @@ activation = "sigmoid"
 [train]
 lr = 0.5
 batch_size = 64
-local_steps = 150
+local_steps = 75
 [simulation]
 backend = "inprocess"
 [output]
@@ -458,6 +458,12 @@ def test_an_experiment_runs_three_seeds_and_publishes_the_claims_decided_over_th
     assert "Verdicts: 1 holds, 1 does not hold." in index and "extension beyond the paper: a made-up claim" in index
     report = (tmp_path / "pub" / "tiny" / "report.md").read_text()
     assert " ± " in report.split("## accuracy", 1)[1].split("##", 1)[0]  # the paper table shows mean ± std
+    # full rows carry every metric's mean over the training rounds (mean.<key>)
+    from fedsim.comparison import run_row
+
+    d = out / "00-pooled-seed1"
+    acc = [json.loads(line)["accuracy"] for line in (d / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(acc) == 2 and run_row("pooled", d, full=True)["mean.accuracy"] == pytest.approx(sum(acc) / 2)
     # the hand-written section on disagreements is kept in the index when it is rewritten
     (tmp_path / "pub" / "disagreements.md").write_text("## Where fedsim and the papers disagree, and why\n\nx\n")
     write_results_index(tmp_path / "pub")
