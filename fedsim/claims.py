@@ -309,8 +309,8 @@ def claims_markdown(results: Sequence[Mapping[str, Any]]) -> str:
     lines = ["## Paper claims\n",
              f"Decided over the seeds {seeds} (a claim needs >= {MIN_SEEDS}): mean ± sample std of each side; "
              f"the {LEVEL:.0%} Student-t interval of the per-seed difference decides (fedsim/claims.py). "
-             "Inconclusive: the interval straddles the claim's bound, a tie in every seed, or two attacks that "
-             "both failed.\n",
+             "Inconclusive: the interval straddles the claim's bound, fewer than three seeds, a tie in every seed "
+             "(no margin), or two attacks that both failed.\n",
              "| claim | ours (mean ± std over seeds) | interval | verdict |", "|---|---|---|---|"]
     for r in results:
         text = r["text"] + (f" *(extension beyond the paper: {r['extension']})*" if r.get("extension") else "")
