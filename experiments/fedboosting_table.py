@@ -100,7 +100,8 @@ def curves(runs: dict[tuple[str, str, str], list[dict[str, Any]]], path: Path) -
     entropy = any(r.get("strategy.weights_entropy_norm") is not None for rows in runs.values() for r in rows)
     fig, axes = plt.subplots(1 + entropy, len(splits), figsize=(6 * len(splits), 4.2 * (1 + entropy)),
                              squeeze=False)
-    style = {"N/A": "-", "HE": "--", "DP": ":", "HE+DP": "--", "code": "-."}
+    style = {"N/A": "-", "HE": "--", "DP": ":", "HE+DP": "--", "code": "-"}
+    marker = {"HE+DP": ".", "code": "x"}
     colour = {"FedAvg": "tab:blue", "FedBoosting": "tab:red"}
     seeds = max((r.get("seeds", 1) for rows in runs.values() for r in rows), default=1)
     for col, s in enumerate(splits):
@@ -108,7 +109,7 @@ def curves(runs: dict[tuple[str, str, str], list[dict[str, Any]]], path: Path) -
             if split != s:
                 continue
             kw = dict(color=colour.get(method, "k"), alpha=0.55 if prot == "DP" else 0.9,
-                      marker="." if prot == "HE+DP" else None, label=f"{method} {prot}")
+                      marker=marker.get(prot), label=f"{method} {prot}")
             axes[0][col].plot([r["round"] for r in rows], [r["accuracy"] for r in rows], style.get(prot, "-"), **kw)
             if entropy:
                 pts = [(r["round"], r["strategy.weights_entropy_norm"]) for r in rows
