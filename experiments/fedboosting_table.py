@@ -93,6 +93,7 @@ def curves(runs: dict[tuple[str, str, str], list[dict[str, Any]]], path: Path) -
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from fedsim.reports import save_figure
 
@@ -116,14 +117,15 @@ def curves(runs: dict[tuple[str, str, str], list[dict[str, Any]]], path: Path) -
                        if r.get("strategy.weights_entropy_norm") is not None]
                 if pts:
                     axes[1][col].plot(*zip(*pts), style.get(prot, "-"), **kw)
-        axes[0][col].set_title(f"split {s}" + (f" (mean over {seeds} seeds)" if seeds > 1 else ""))
+        axes[0][col].set_title(f"{s}" + (f" (mean over {seeds} seeds)" if seeds > 1 else ""))
         axes[0][col].set_ylabel("test accuracy")
         if entropy:
-            axes[1][col].set_title(f"split {s}: FedBoosting's weights")
+            axes[1][col].set_title(f"{s}: FedBoosting's weights")
             axes[1][col].set_ylabel("weight entropy / log N (1 = uniform)")
             axes[1][col].set_ylim(0, 1.05)
         for ax in axes[:, col]:
             ax.set_xlabel("round")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
             if ax.get_legend_handles_labels()[0]:
                 ax.legend(fontsize=8)
