@@ -185,7 +185,6 @@ def evaluate_claims(claims: Sequence[Mapping[str, Any]], runs: Sequence[Mapping[
 def _cell_claim(c: Mapping[str, Any], by: Mapping[tuple[str, int], Mapping[str, Any]], seeds: Sequence[int],
                 min_seeds: int) -> dict[str, Any]:
     op, m = c["op"], float(c.get("margin", 0.0))
-    label, col = c["value"].rsplit(":", 1)
     number = _num(c["than"])
 
     def at(ref: Any, s: int) -> float | None:
