@@ -5,7 +5,7 @@ An experiment (``fedsim experiment NAME``: a sweep file with ``[experiment]``, `
 label and its report one or more tables laid out like the paper's:
 
 * :func:`paper_table` - ``[[report.tables]]``: rows are the variants' ``row`` labels (in file order;
-  ``rows = [...]`` keeps some; ``expand = [names]`` makes one column per name, substituting it for
+  ``rows = [...]`` keeps some, ``cols = [...]`` keeps the variants with some ``col`` labels; ``expand = [names]`` makes one column per name, substituting it for
   ``{name}`` in the cell keys: one run with several attacks, a column per attack),
   columns ``cells`` (``{key, header, scale, fmt}``; a key is any column of the variant's row, e.g.
   ``accuracy``, ``idlg.ssim``, ``ig.rmse``, ``final.<metric>``), one group of cells per ``col`` label
@@ -114,18 +114,19 @@ def check_report(report: Any, where: str = "report", base: str | None = None) ->
         w = f"{where}.tables[{i}]"
         if not isinstance(t, dict) or not isinstance(t.get("title"), str):
             raise ConfigError(f"{w} must be a table with a 'title'")
-        unknown = set(t) - {"title", "cells", "layout", "row_header", "note", "rows", "expand", "row_labels"}
+        unknown = set(t) - {"title", "cells", "layout", "row_header", "note", "rows", "cols", "expand", "row_labels"}
         if unknown:
             raise ConfigError(f"{w}: unknown keys {sorted(unknown)} (title, cells, layout, row_header, note, rows, "
-                              "expand, row_labels)")
+                              "cols, expand, row_labels)")
         if "row_labels" in t and (not isinstance(t["row_labels"], dict)
                                   or not all(isinstance(v, str) for v in t["row_labels"].values())):
             raise ConfigError(f"{w}.row_labels must be a table from row label to the label shown (strings)")
         if "expand" in t and (not isinstance(t["expand"], list) or not t["expand"]
                               or not all(isinstance(e, str) for e in t["expand"])):
             raise ConfigError(f"{w}.expand must be a non-empty list of names (e.g. attacks) for '{{name}}' in cell keys")
-        if "rows" in t and (not isinstance(t["rows"], list) or not all(isinstance(r, str) for r in t["rows"])):
-            raise ConfigError(f"{w}.rows must be a list of row labels (the variants' row)")
+        for k in ("rows", "cols"):
+            if k in t and (not isinstance(t[k], list) or not all(isinstance(r, str) for r in t[k])):
+                raise ConfigError(f"{w}.{k} must be a list of {k[:-1]} labels (the variants' {k[:-1]})")
         layout = t.get("layout", "cells-as-columns")
         if layout not in LAYOUTS:
             raise ConfigError(f"{w}.layout must be one of {list(LAYOUTS)}, got {layout!r}")
@@ -163,7 +164,7 @@ def _ordered(values: Sequence[str | None]) -> list[str]:
 
 def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> str:
     """A markdown table shaped like the paper's (module docstring). ``rows`` carry ``row``/``col``;
-    ``spec["rows"]`` (optional) keeps only the variants with those row labels."""
+    ``spec["rows"]`` / ``spec["cols"]`` (optional) keep only the variants with those row / col labels."""
     cells = spec["cells"]
     shown = spec.get("row_labels") or {}
 
@@ -172,6 +173,8 @@ def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> s
 
     if spec.get("rows") is not None:
         rows = [r for r in rows if r.get("row") in spec["rows"]]
+    if spec.get("cols") is not None:
+        rows = [r for r in rows if r.get("col") in spec["cols"]]
     if spec.get("expand"):  # columns are the names, each cell key's {name} replaced by the column's name
         by_row: dict[Any, Mapping[str, Any]] = {}
         for r in rows:  # one run per row: the first variant with that row label

@@ -50,6 +50,9 @@ def test_paper_table_layouts():
                                      "cells": [{"key": "{name}.rmse", "header": "RMSE", "fmt": ".2f"}]}]})
     lines = paper_table([r for r in rows if r["family"] == "none"], spec["tables"][0]).splitlines()
     assert lines[0] == "|  |  | a | b |" and lines[2:] == ["| B=1 | RMSE | 0.10 | 0.30 |", "| B=4 | RMSE | 0.10 | 0.30 |"]
+    # cols: only the variants with these col labels
+    spec = check_report({"tables": [{"title": "t", "cells": ["loss"], "cols": ["none", "noise 1"]}]})["tables"][0]
+    assert paper_table(rows, spec).splitlines()[0] == "|  | none | noise 1 |"
     # row_labels: a row shown under another name
     spec = check_report({"tables": [{"title": "t", "cells": ["loss"], "row_labels": {"B=1": "fresh"}}]})["tables"][0]
     assert [ln.split("|")[1].strip() for ln in paper_table(rows, spec).splitlines()[2:]] == ["fresh", "B=4"]
@@ -313,6 +316,11 @@ def test_every_paper_has_an_experiment():
         assert seed in papers, f"no experiment reproduces {seed}"
 
 
+def _in_table(meta, table) -> bool:
+    """A variant (its row/col labels) is one of the table's (``rows`` / ``cols`` keep some)."""
+    return all(table.get(k) is None or meta[k[:-1]] in table[k] for k in ("rows", "cols"))
+
+
 def test_every_table_has_a_quick_row():
     """Every paper table of every experiment is exercised by the CI smoke test: its [quick] variants
     include at least one of the table's rows (checked without running anything)."""
@@ -324,7 +332,7 @@ def test_every_table_has_a_quick_row():
         spec = load_spec(path, quick=True)
         labels = [lab for lab, _ in spec.variants]
         for t in spec.report["tables"]:
-            if not any(t.get("rows") is None or spec.meta[lab]["row"] in t["rows"] for lab in labels):
+            if not any(_in_table(spec.meta[lab], t) for lab in labels):
                 missing.append(f"{name}: {t['title']}")
     assert not missing, f"tables no [quick] variant exercises: {missing}"
 
@@ -339,7 +347,7 @@ def test_quick_variant_runs_and_has_the_papers_table_shape(name, tmp_path):
     report = (out / "report.md").read_text()
     all_labels = [lab for lab, _ in spec.variants]
     for t in spec.report["tables"]:
-        labels = [lab for lab in all_labels if t.get("rows") is None or spec.meta[lab]["row"] in t["rows"]]
+        labels = [lab for lab in all_labels if _in_table(spec.meta[lab], t)]
         assert labels, f"{name}: [quick] runs no variant of {t['title']!r}"  # (test_every_table_has_a_quick_row)
         section = report.split(f"## {t['title']}\n", 1)[1].split("\n## ", 1)[0]
         lines = [ln for ln in section.splitlines() if ln.startswith("|")]
