@@ -23,7 +23,8 @@ import numpy as np
 SWEEP = Path(__file__).with_name("fedboosting.toml")
 FIGURE = "accuracy_curves.png"
 ROWS = (("FedAvg", "N/A"), ("FedAvg", "HE"), ("FedBoosting", "N/A"), ("FedBoosting", "DP"),
-        ("FedBoosting", "HE+DP"), ("FedBoosting", "code"))  # code: the authors' weighting (inverse losses)
+        ("FedBoosting", "HE+DP"), ("FedAvg", "CKKS"), ("FedBoosting", "CKKS+DP"),  # HE: Paillier 2048; CKKS: N 8192
+        ("FedBoosting", "code"))  # code: the authors' weighting (inverse losses)
 LAST = 5
 
 
@@ -101,8 +102,8 @@ def curves(runs: dict[tuple[str, str, str], list[dict[str, Any]]], path: Path) -
     entropy = any(r.get("strategy.weights_entropy_norm") is not None for rows in runs.values() for r in rows)
     fig, axes = plt.subplots(1 + entropy, len(splits), figsize=(6 * len(splits), 4.2 * (1 + entropy)),
                              squeeze=False)
-    style = {"N/A": "-", "HE": "--", "DP": ":", "HE+DP": "--", "code": "-"}
-    marker = {"HE+DP": ".", "code": "x"}
+    style = {"N/A": "-", "HE": "--", "DP": ":", "HE+DP": "--", "CKKS": "-.", "CKKS+DP": "-.", "code": "-"}
+    marker = {"HE+DP": ".", "CKKS+DP": ".", "code": "x"}
     colour = {"FedAvg": "tab:blue", "FedBoosting": "tab:red"}
     seeds = max((r.get("seeds", 1) for rows in runs.values() for r in rows), default=1)
     for col, s in enumerate(splits):
