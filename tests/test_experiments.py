@@ -376,12 +376,13 @@ def test_quick_variant_runs_and_has_the_papers_table_shape(name, tmp_path):
         assert all(c["verdict"] in ("inconclusive", "not measured") for c in claims)  # one seed decides nothing
     # the quick variant shows the method, not a table at chance (issue 32): some variant's model learned
     # (10 points above its untrained accuracy) or some attack recovered its target (an image with SSIM >=
-    # 0.5 on average, or records: ASR > 0)
+    # 0.5 on average, or records: ASR > 0; membership: ROC AUC >= 0.75)
     rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
     learned = [r["variant"] for r in rows if r.get("accuracy") is not None and r["accuracy"] >= 0.1 + json.loads(
         (out / (r.get("run") or r["runs"][0]) / "summary.json").read_text())["initial_accuracy"]]
     recovered = [f"{r['variant']}: {k}" for r in rows for k, v in r.items() if isinstance(v, (int, float)) and (
-        (k.endswith(".ssim") and v >= 0.5) or (k.endswith(".success_content") and v > 0))]
+        (k.endswith(".ssim") and v >= 0.5) or (k.endswith(".success_content") and v > 0)
+        or (k.endswith(".auc") and v >= 0.75))]
     assert learned or recovered, f"{name}: --quick learns nothing and no attack recovers anything"
     for fig in spec.report["figures"]:  # drawn, linked, and no failure note
         assert f"## {fig['title']}\n" in report and "Not drawn" not in report
