@@ -216,6 +216,8 @@ def test_systematic_claims_are_decided_seed_by_seed():
             r["a.rmse"] = r["b.rmse"] = 0.9
     c = evaluate_claims(claim, runs, spec)[0]
     assert c["verdict"] == "inconclusive" and c["interval"] == "holds in 2 of 3 seeds" and "seed 2: best" in c["ours"]
+    two = evaluate_claims(claim, [r for r in runs if r["seed"] < 2], spec)[0]  # holds in both, but 2 seeds
+    assert two["verdict"] == "inconclusive" and "2 seed(s)" in two["why"] and two["interval"] == "holds in 2 of 2 seeds"
 
 
 def test_the_claims_table_shows_verdict_interval_and_seeds():
@@ -464,7 +466,9 @@ def test_an_experiment_runs_three_seeds_and_publishes_the_claims_decided_over_th
     assert claims[1]["verdict"] == "does not hold" and claims[1]["extension"] == "a made-up claim"
     index = (tmp_path / "pub" / "README.md").read_text()
     assert "| 0, 1, 2 | **holds**" in index and "| 0, 1, 2 | **does not hold**" in index
-    assert "Verdicts: 1 holds, 1 does not hold." in index and "extension beyond the paper: a made-up claim" in index
+    assert "Verdicts over seeds: 1 holds, 1 does not hold." in index and "extension beyond the paper: a made-up claim" in index
+    assert f"| {c['interval']} | 0, 1, 2 | **holds**" in index and "95% CI [+" in c["interval"]  # the interval decided
+    assert "before seeds" not in index
     report = (tmp_path / "pub" / "tiny" / "report.md").read_text()
     assert " ± " in report.split("## accuracy", 1)[1].split("##", 1)[0]  # the paper table shows mean ± std
     # full rows carry every metric's mean over the training rounds (mean.<key>)
@@ -477,6 +481,15 @@ def test_an_experiment_runs_three_seeds_and_publishes_the_claims_decided_over_th
     (tmp_path / "pub" / "disagreements.md").write_text("## Where fedsim and the papers disagree, and why\n\nx\n")
     write_results_index(tmp_path / "pub")
     assert (tmp_path / "pub" / "README.md").read_text().endswith("and why\n\nx\n")
+    # a claim published before claims were decided over seeds (no "seeds"): shown as such, not counted as decided
+    old = tmp_path / "pub" / "old"
+    old.mkdir()
+    (old / "meta.json").write_text(json.dumps({"title": "old one"}))
+    (old / "claims.json").write_text(json.dumps([{"text": "t", "ours": "0.5 > 0.4", "holds": True}]))
+    write_results_index(tmp_path / "pub")
+    index = (tmp_path / "pub" / "README.md").read_text()
+    assert "| - | 1 (before seeds) | **holds** |" in index
+    assert "Verdicts over seeds: 1 holds, 1 does not hold. 1 claim published before claims were decided" in index
 
 
 def test_rerun_skips_complete_variants_and_publish_writes_the_index(tmp_path, capsys):

@@ -130,7 +130,7 @@ def write_results_index(root: Path) -> None:
     fedsim and the papers disagree, and why) when it exists."""
     from fedsim.claims import LEVEL, MIN_SEEDS, cell, verdict_of
 
-    rows, counts = [], {}
+    rows, counts, legacy = [], {}, 0
     for d in sorted(p for p in root.iterdir() if (p / "meta.json").exists()):
         meta = json.loads((d / "meta.json").read_text())
         claims = json.loads((d / "claims.json").read_text()) if (d / "claims.json").exists() else []
@@ -139,8 +139,12 @@ def write_results_index(root: Path) -> None:
             rows.append(f"| {link} | (tables only) | see report | - | - | - |")
         for c in claims:
             v = verdict_of(c)
-            counts[v] = counts.get(v, 0) + 1
-            seeds = ", ".join(str(s) for s in c["seeds"]) if "seeds" in c else "1 (before seeds)"
+            if "seeds" in c:
+                counts[v] = counts.get(v, 0) + 1
+                seeds = ", ".join(str(s) for s in c["seeds"])
+            else:  # published before claims were decided over seeds: one run, a plain comparison
+                legacy += 1
+                seeds = "1 (before seeds)"
             text = c["text"] + (f" *(extension beyond the paper: {c['extension']})*" if c.get("extension") else "")
             why = f": {c['why']}" if c.get("why") else ""
             rows.append(f"| {link} | {cell(text)} | {cell(c['ours'])} | {cell(c.get('interval', '-'))} | {seeds} | "
@@ -148,6 +152,11 @@ def write_results_index(root: Path) -> None:
     plural = {"holds": "hold", "does not hold": "do not hold", "inconclusive": "inconclusive",
               "not measured": "not measured"}
     summary = ", ".join(f"{counts[v]} {v if counts[v] == 1 else plural[v]}" for v in plural if counts.get(v))
+    summary = (f"Verdicts over seeds: {summary}." if summary else "") + (
+        f"{' ' if summary else ''}{legacy} claim{'s' if legacy != 1 else ''} published before claims were "
+        "decided over seeds (seeds: *1 (before seeds)*): their holds / does not hold compares one run's two "
+        "numbers, without an interval, and is replaced when the experiment is re-published (`make results`)."
+        if legacy else "")
     lines = ["# Results\n", "Each folder holds an experiment's latest full report (`fedsim experiment NAME "
              "--publish docs/results`), with its command, date and commit. The table lists every paper claim "
              "the experiments check: what the paper says, what we measured, and the verdict. The reports say "
@@ -165,7 +174,10 @@ def write_results_index(root: Path) -> None:
              "success line: `success_content` 0). Systematic-evaluation claims hold when they hold in every "
              "seed. Each claim is tested on its own at 95% (no multiple-comparison correction). A claim "
              "marked *extension* applies the paper's claim to a setting the paper did not test.\n",
-             *([f"Verdicts: {summary}.\n"] if summary else []),
+             "**Re-publishing** every experiment at seeds 0, 1, 2: `make results` (per experiment: `fedsim "
+             "experiment NAME --out runs/results/NAME --publish docs/results`; re-running it resumes an "
+             "interrupted experiment). Publish from a clean commit: the stamp names it.\n",
+             *([f"{summary}\n"] if summary else []),
              "| experiment | claim | ours (mean ± std over seeds) | interval | seeds | verdict |",
              "|---|---|---|---|---|---|", *rows]
     if (root / DISAGREEMENTS).exists():
