@@ -326,16 +326,26 @@ def test_a_client_that_evaluates_for_the_server_reports_the_accuracy_per_source(
 
 def test_a_malformed_per_source_accuracy_is_an_invalid_reply(small_cfg):
     """The evaluating client's per-source accuracies are untrusted input: checked with the rest of its reply."""
-    from types import SimpleNamespace
+    from flwr.app import MetricRecord
 
     from fedsim.app.server import Server
-    from fedsim.protocol import EVAL_ACCURACY, EVAL_EXAMPLES, EVAL_LOSS, EVAL_SOURCE_ACCURACY
+    from fedsim.protocol import EVAL_ACCURACY, EVAL_EXAMPLES, EVAL_LOSS, EVAL_SOURCE_ACCURACY, METRICS
     from fedsim.seams import InvalidReply
+
+    class Evaluation:  # a reply with a metrics record whose values are ``metrics`` (as Reply reads them)
+        def __init__(self, metrics):
+            self.metrics = metrics
+
+        def has(self, name):
+            return name == METRICS
+
+        def record(self, name):
+            return MetricRecord({})
 
     engine = Server(small_cfg(), None, [], progress=False).engine
     ok = {EVAL_LOSS: 1.0, EVAL_ACCURACY: 0.5, EVAL_EXAMPLES: 10}
-    engine.check_evaluation(SimpleNamespace(metrics=ok))
-    engine.check_evaluation(SimpleNamespace(metrics={**ok, EVAL_SOURCE_ACCURACY: [0.25, 1.0]}))
-    for bad in ([0.5, 1.5], [float("nan")], "0.5", [True]):
+    engine.check_evaluation(Evaluation(ok))
+    engine.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: [0.25, 1.0]}))
+    for bad in ([0.5, 1.5], [float("nan")], "0.5", [True], [0.5] * 65):
         with pytest.raises(InvalidReply, match=EVAL_SOURCE_ACCURACY):
-            engine.check_evaluation(SimpleNamespace(metrics={**ok, EVAL_SOURCE_ACCURACY: bad}))
+            engine.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: bad}))
