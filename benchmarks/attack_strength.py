@@ -36,10 +36,26 @@ ATTACKS = ("dlg", "idlg", "cpl", "ig", "grnn", "ig-fr", "ig-bn")
 NEEDS_BN = {"ig-bn"}  # attacked on the same LeNet with BatchNorm after each convolution
 
 
+def train_global(net: torch.nn.Module, steps: int, seed: int, lr: float = 0.1, batch: int = 32) -> None:
+    """``steps`` SGD steps (lr ``lr``, batches of ``batch`` fmnist-small training images drawn from
+    ``seed``) on ``net`` in place: a global model that has trained for a while."""
+    if not steps:
+        return
+    ds = load_dataset("fmnist-small")
+    opt = torch.optim.SGD(net.parameters(), lr=lr)
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    net.train()
+    for _ in range(steps):
+        idx = torch.randint(0, len(ds.y_train), (batch,), generator=gen)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(ds.x_train[idx]), ds.y_train[idx]).backward()
+        opt.step()
+
+
 def round_victims(batch: int, round_seed: int, victims: int, *, lr: float = 0.1, image_seed: int = 1234,
-                  norm: str | None = None) -> list[tuple[AttackInput, torch.Tensor, torch.Tensor]]:
-    """The victims of one round: a seeded sigmoid LeNet (``norm = "batch"``: with BatchNorm), ``victims``
-    disjoint batches of test images."""
+                  norm: str | None = None, train_steps: int = 0) -> list[tuple[AttackInput, torch.Tensor, torch.Tensor]]:
+    """The victims of one round: a seeded sigmoid LeNet (``norm = "batch"``: with BatchNorm; trained for
+    ``train_steps`` SGD steps first, :func:`train_global`), ``victims`` disjoint batches of test images."""
     ds = load_dataset("fmnist-small")
     shape = ds.in_shape
     perm = np.random.default_rng(image_seed + 7919 * round_seed).permutation(len(ds.y_test))
@@ -49,6 +65,7 @@ def round_victims(batch: int, round_seed: int, victims: int, *, lr: float = 0.1,
 
     torch.manual_seed(round_seed)
     net = build_model("lenet", shape, 10, init="uniform", norm=norm)
+    train_global(net, train_steps, round_seed)
     global_state = {k: v.detach().clone() for k, v in net.state_dict().items()}
     out = []
     for v in range(victims):
