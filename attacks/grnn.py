@@ -35,7 +35,7 @@ of the Wasserstein term and the TV term. The fixed target gradient is sorted onc
 RMSprop runs on torch's multi-tensor (``foreach``) path; both leave the results unchanged.
 
 Labels: ``labels="idlg"`` (the default) fixes the labels inferred from the gradient
-(:mod:`attacks.labels`: exact at batch 1, a count estimate above) and leaves the label branch unused;
+(:mod:`attacks.labels`: exact at batch 1, class counts above) and leaves the label branch unused;
 ``"generated"`` (the paper) takes the argmax of the label branch; ``"known"`` the threat model's labels.
 Inferred labels are the stronger choice an attacker can make from what it sees (measured at batch 8,
 3 victims: label accuracy 1.0 inferred vs 0.92 generated; on benchmarks/attack_strength.py's 5 victims

@@ -12,7 +12,8 @@ Per attack and batch size it prints: images attacked, the share of images whose 
 reconstruction has SSIM >= 0.9 (``ASR``), the number of batches with at least half of their images
 recovered, the median SSIM, the mean PSNR (capped at 100 dB), the label accuracy (multiset,
 order-free), the mean evaluations of the gradient-matching objective per victim (iterations over all
-restarts and stages), the wall time per victim and the time per evaluation over the floor's (``/floor``:
+restarts and stages), the wall time per victim, the time per evaluation (``ms/eval``) and the floor's
+(``floor ms``), and their ratio (``/floor``:
 the whole run, set-up included, divided by its evaluations, over one evaluation of the floor of
 benchmarks/attack_speed.py - forward, parameter gradient with ``create_graph``, distance, double
 backward - timed on the same victim in the same process just before the attack).
@@ -138,7 +139,7 @@ def attack_victim(spec: str, params: dict[str, Any], batch: int, round_seed: int
             "ssim": [float(s) for s in sc["per_image"]["ssim"]],
             "psnr": [min(float(p), 100.0) for p in sc["per_image"]["psnr"]], "label_acc": float(sc["label_acc"]),
             "iterations": its, "attempts": int(res.trace.get("attempts", 1)), "seconds": secs,
-            "ratio": secs / max(its, 1) / floor}
+            "ms_per_eval": 1e3 * secs / max(its, 1), "floor_ms": 1e3 * floor, "ratio": secs / max(its, 1) / floor}
 
 
 def summarise(spec: str, batch: int, tasks: list[dict[str, Any]], params: dict[str, Any]) -> dict[str, Any]:
@@ -151,6 +152,8 @@ def summarise(spec: str, batch: int, tasks: list[dict[str, Any]], params: dict[s
             "iterations": float(np.mean([t["iterations"] for t in tasks])),
             "attempts": float(np.mean([t["attempts"] for t in tasks])),
             "seconds_per_victim": float(np.mean([t["seconds"] for t in tasks])),
+            "ms_per_eval": float(np.median([t["ms_per_eval"] for t in tasks])),
+            "floor_ms": float(np.median([t["floor_ms"] for t in tasks])),
             "ratio": float(np.median([t["ratio"] for t in tasks])), "params": params}
 
 
@@ -188,18 +191,20 @@ def main(argv=None) -> None:
         results = [_run(t) for t in tasks]
     rows = []
     print(f"{'attack':12} {'B':>2} {'images':>6} {'ASR':>5} {'half/batches':>12} {'med SSIM':>8} {'PSNR':>6} "
-          f"{'labels':>6} {'evals':>7} {'tries':>5} {'s/victim':>8} {'/floor':>6}")
+          f"{'labels':>6} {'evals':>7} {'tries':>5} {'s/victim':>8} {'ms/eval':>7} {'floor ms':>8} {'/floor':>6}")
     for b in batches:
         for spec in specs:
             row = summarise(spec, b, [t for t in results if t["spec"] == spec and t["batch"] == b], sets.get(spec, {}))
             rows.append(row)
             print(f"{spec:12} {b:2d} {row['images']:6d} {row['asr']:5.2f} {row['batches_half']:5d}/{row['batches']:<6d} "
                   f"{row['median_ssim']:8.3f} {row['psnr']:6.1f} {row['label_acc']:6.3f} {row['iterations']:7.0f} "
-                  f"{row['attempts']:5.2f} {row['seconds_per_victim']:8.1f} {row['ratio']:6.2f}", flush=True)
+                  f"{row['attempts']:5.2f} {row['seconds_per_victim']:8.1f} {row['ms_per_eval']:7.2f} {row['floor_ms']:8.2f} "
+                  f"{row['ratio']:6.2f}", flush=True)
     print("ASR: share of images with SSIM >= 0.9 to their matched reconstruction; half/batches: victims with at least "
           "half of their images recovered; labels: label accuracy; evals: mean evaluations (iterations over all "
-          "restarts and stages); /floor: median over victims of (seconds / evaluations) / the floor's seconds per "
-          f"evaluation. {time.perf_counter() - t_all:.0f} s")
+          "restarts and stages); ms/eval: median over victims of the run's milliseconds per evaluation (set-up "
+          "included); floor ms: the floor's per evaluation; /floor: median over victims of their ratio. "
+          f"{time.perf_counter() - t_all:.0f} s")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"rows": rows, "victims": results}, fh, indent=1)
