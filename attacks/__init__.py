@@ -1,9 +1,12 @@
 """Gradient-leakage attacks of a curious server.
 
 Importing this package registers every attack in :data:`fedsim.components.ATTACKS` and the curious
-server and seed 002's curious client (``curious-client``) in :data:`fedsim.components.OBSERVERS`:
+server, seed 002's curious client (``curious-client``) and the curious server's membership inference
+(``curious-server-mia``, :mod:`attacks.membership_server`) in :data:`fedsim.components.OBSERVERS`:
 
 * ``dlg``  - Deep Leakage from Gradients (Zhu et al. 2019), labels optimised jointly;
+* ``dlg-original`` - DLG with the original's settings (one start from N(0, 1), 300 L-BFGS steps of up to
+  20 iterations, no early stop): the DLG seed 003 compares GRNN against;
 * ``idlg`` - DLG with labels inferred from the gradient (Zhao et al. 2020);
 * ``cpl``  - the CPL attack of seed 001 (geometric initialisation, label regulariser, threshold stop);
 * ``ig``   - Inverting Gradients (Geiping et al. 2020), optionally FedAvg-aware;
@@ -14,7 +17,7 @@ server and seed 002's curious client (``curious-client``) in :data:`fedsim.compo
 * ``strongest`` - a combination (no paper's attack): GRNN's generator as the start of CPL-regularised
   L-BFGS on the pixels, with inferred label counts and restarts (:mod:`attacks.strongest`).
 
-Each attack's defaults are the strongest measured setting at a stated budget (docs/benchmarks.md,
+Each attack's defaults (``dlg-original`` aside) are the strongest measured setting at a stated budget (docs/benchmarks.md,
 "Attack strength"). Build one by name with :func:`build_attack`; run it on an :class:`AttackInput`, or
 on all victims of a round at once with :meth:`Attack.run_many` (one stacked optimisation per group of
 victims that share the global model; :mod:`attacks.batched`).
@@ -34,6 +37,7 @@ from . import (  # noqa: F401  (registration)
     grnn,
     inverting,
     knowledge,
+    membership_server,
     regularised,
     robbing,
     strongest,

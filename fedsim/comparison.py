@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from fedsim.privacy_utility import plot_privacy_utility, privacy_columns
 from fedsim.reports import md_table, read_jsonl
 
 ID_COLUMNS = ("variant", "run", "seed", "seeds", "runs", "n")
@@ -31,7 +32,8 @@ def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, An
     """One run folder as a row (see the module docstring). ``full`` adds every numeric key of each
     leakage entry (``<attack>.mse``, ``.iterations``, ``.rmse`` = sqrt of the mean MSE, ...) and of the
     last round's metrics (``final.<key>``), for experiment tables that name them; a run with one attack
-    also gets its columns as ``attack.<metric>``."""
+    also gets its columns as ``attack.<metric>``, and ``best_accuracy``, the global model's accuracy in its
+    best round."""
     run_dir = Path(run_dir)
     summary = json.loads((run_dir / "summary.json").read_text())
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -52,9 +54,10 @@ def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, An
     eps = [v for k, v in last.items() if k.endswith(".epsilon") and v is not None]
     if eps:  # DP accounting reported by the clients' defenses (example-weighted mean over the clients)
         row["epsilon"] = max(eps)
+    row.update(privacy_columns(summary))  # the run's privacy ledger, when it has one (fedsim.privacy_utility)
     # leakage entries of observers (the curious server's "leakage", seed 002's curious client's
     # "client_leakage"); an entry's "columns" names the keys to show (default: the curious server's)
-    for leak in [*summary.get("leakage", []), *summary.get("client_leakage", [])]:
+    for leak in [*summary.get("leakage", []), *summary.get("client_leakage", []), *summary.get("membership", [])]:
         a = leak["attack"]
         for k in leak.get("columns", ("psnr", "ssim", "label_acc", "success_content")):
             row[f"{a}.{k}"] = leak.get(k)
@@ -64,6 +67,8 @@ def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, An
                 row[f"{a}.rmse"] = math.sqrt(float(leak["mse"]))
     if full:
         row.update({f"final.{k}": v for k, v in last.items() if _number(v)})
+        if _number(summary.get("best_accuracy")):  # the best round's global accuracy (papers that report it)
+            row["best_accuracy"] = summary["best_accuracy"]
         leaks = summary.get("leakage", [])
         if len(leaks) == 1:  # one attack: also as attack.<metric>, so a table can compare runs of different attacks
             row.update({f"attack.{k[len(leaks[0]['attack']) + 1:]}": v for k, v in list(row.items())
@@ -232,6 +237,7 @@ def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparis
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plot_comparison(groups, rows, out / "comparison.png", title)
+    figures = privacy_figure(rows, out)
     cols = table_columns(rows)
     write_csv(out / "comparison.csv", rows)
     text = [f"# fedsim comparison: {title}\n",
@@ -239,7 +245,7 @@ def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparis
             "the attacked updates; `round_seconds`: median wall time of rounds >= 2. Sweep variants with several "
             "seeds show mean ± sample standard deviation.\n",
             comparison_table(rows, cols, table_formats(cols)),
-            "\n![comparison](comparison.png)\n",
+            "\n![comparison](comparison.png)\n", *figures,
             "Runs: " + ", ".join(f"{label}: " + ", ".join(str(d) for d in dirs) for label, dirs in groups) + "\n"]
     atomic_write_text(out / "comparison.md", "\n".join(text))
     return rows
@@ -260,3 +266,12 @@ def table_formats(cols: Sequence[str]) -> dict[str, str]:
     fmt.update({c: ".2e" for c in cols if c.endswith(".mse")})  # records: errors of 1e-10 are not "0.000"
     fmt["failures"] = ".3g"
     return fmt
+
+
+def privacy_figure(rows: Sequence[Mapping[str, Any]], out: Path) -> list[str]:
+    """``privacy_utility.png`` (:mod:`fedsim.privacy_utility`) when a run reports differential privacy; the
+    report lines that show it."""
+    if not any("dp_mechanisms" in r for r in rows):
+        return []
+    path = plot_privacy_utility(rows, out / "privacy_utility.png")
+    return [f"\n![privacy-utility]({Path(path).name})\n"] if path else []

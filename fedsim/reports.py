@@ -44,9 +44,11 @@ def atomic_write_bytes(path: str | Path, data: bytes, durable: bool = False) -> 
                 fh.flush()
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:  # a failed write names no file: name it
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
         raise
     if durable:
         try:
@@ -81,9 +83,14 @@ def append_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+    except OSError as exc:
+        if exc.filename is None:  # a failed write names no file: name it
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
+        raise
 
 
 def read_jsonl(path: str | Path, skip_bad: bool = False) -> list[dict[str, Any]]:
@@ -192,9 +199,12 @@ def write_report(out: Path, cfg: Mapping[str, Any], rows: Sequence[Mapping[str, 
     final_text = "-" if final is None else f"{final:.4f}"
     status = summary.get("status", "completed")
     status_line = [] if status == "completed" else [
-        f"- **status: {status}** after round {summary.get('completed_round')}"
+        f"- **status: {status}** "
+        + (f"after round {summary['completed_round']}" if summary.get("completed_round") is not None
+           else "before any round completed")
         + (f" ({summary['error']})" if summary.get("error") else "")
-        + (f"; resume with `fedsim run --resume {out}`" if summary.get("resumable") else "")]
+        + (f"; resume with `fedsim run --resume {out}`" if summary.get("resumable") else
+           f"; start it again with `fedsim run --resume {out}`" if summary.get("completed_round") is None else "")]
     text = [f"# fedsim run: {cfg['name']}\n",
             f"- strategy **{cfg['strategy']['name']}**, {fed['rounds']} rounds, {fed['num_clients']} clients "
             f"({fed['clients_per_round'] or fed['num_clients']} per round)",

@@ -5,7 +5,8 @@
 * a folder that does not exist, or is empty, gets a fresh run;
 * a folder holding a run of the same config (same :func:`fedsim.checkpoint.config_identity`) is
   continued: from its checkpoint when it has one (``action = "resume"``), or reported complete when its
-  ``summary.json`` says so (``action = "complete"``; nothing is run again);
+  ``summary.json`` says so (``action = "complete"``; nothing is run again), or started again when it
+  holds no completed round (stopped during start-up: also with ``--resume``);
 * any other non-empty folder is refused, unless ``overwrite``, which clears it first - and only if it
   is a fedsim folder (it holds ``.fedsim.lock`` or ``config.toml``): a folder fedsim did not make is
   never cleared.
@@ -31,10 +32,13 @@ from fedsim.checkpoint import (
     config_differences,
     config_identity,
     read_checkpoint,
+    remove_temp_files,
+    verify_resume,
 )
 from fedsim.components import ConfigError
 
 LOCK = ".fedsim.lock"
+NOTHING_COMPLETED = "cleared (nothing completed)"  # a Decision's note: this config's run, no round to continue
 SUMMARY = "summary.json"
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
@@ -102,8 +106,10 @@ class Decision:
 
 
 def decide(path: Path, cfg: Mapping[str, Any] | None, overwrite: bool = False, resume: bool = False,
-           what: str = "--out") -> Decision:
-    """Inspect an existing folder (nothing is written). ``cfg`` None: only emptiness matters."""
+           what: str = "--out", without_client_state: bool = False) -> Decision:
+    """Inspect an existing folder (nothing is written). ``cfg`` None: only emptiness matters. A checkpoint
+    to resume from must fit the folder (:func:`fedsim.checkpoint.verify_resume`: ``metrics.jsonl`` and
+    every client-state file it stands for); ``without_client_state`` resumes without the client state."""
     contents = _contents(path)
     if not contents:
         if resume:
@@ -129,15 +135,22 @@ def decide(path: Path, cfg: Mapping[str, Any] | None, overwrite: bool = False, r
             raise RunFolderError(f"{exc}; use --overwrite to start the run again") from None
         if ckpt.identity != config_identity(cfg):
             raise RunFolderError(f"{path / CHECKPOINT} belongs to another config; use --overwrite to start again")
+        try:
+            verify_resume(path, ckpt, without_client_state=without_client_state)
+        except CheckpointError as exc:
+            raise RunFolderError(str(exc)) from None
+        if without_client_state:  # every client starts afresh; the run records that it is no longer exact
+            ckpt.client_state = {}
+            ckpt.client_state_dropped = [*ckpt.client_state_dropped, ckpt.round]
         return Decision("resume", checkpoint=ckpt, note=f"resuming after round {ckpt.round}")
     done = completed_rounds_in_metrics(path)
     if done >= 1:
         why = summary.get("checkpoint") or "no checkpoint.npz"
         raise RunFolderError(f"{what} {path} holds an unfinished run of this config that cannot be resumed "
                              f"({why}); use --overwrite to start it again")
-    if resume:
-        raise RunFolderError(f"--resume {path}: the run there has no completed round to resume from")
-    return Decision("fresh", note="cleared (nothing completed)")
+    # nothing of value (stopped during start-up, or before round 1 without a checkpoint): the run starts
+    # again from the beginning, also on --resume (what a scheduler that requeues a stopped job asks for)
+    return Decision("fresh", note=NOTHING_COMPLETED)
 
 
 class RunFolder:
@@ -240,9 +253,10 @@ def _lock_once(path: Path, what: str, created: bool) -> tuple[int, bool]:
 
 
 def open_folder(path: str | Path, cfg: Mapping[str, Any] | None, *, overwrite: bool = False, resume: bool = False,
-                what: str = "--out", sweep: bool = False) -> RunFolder:
+                what: str = "--out", sweep: bool = False, without_client_state: bool = False) -> RunFolder:
     """Check, create and lock a run folder (see the module docstring); raises :class:`RunFolderError`
-    naming the folder. ``sweep``: a sweep's folder (its variants decide for themselves)."""
+    naming the folder. ``sweep``: a sweep's folder (its variants decide for themselves). Once the folder
+    is accepted, temporary files a killed process left (``.<name>.<hex>.tmp``) are deleted."""
     path = Path(path)
     existed = _check_path(path, what)
     if existed and _contents(path) and not is_fedsim_folder(path):
@@ -260,7 +274,8 @@ def open_folder(path: str | Path, cfg: Mapping[str, Any] | None, *, overwrite: b
         if sweep:
             decision = Decision("fresh", note="cleared") if overwrite and _contents(path) else Decision("sweep")
         else:
-            decision = decide(path, cfg, overwrite=overwrite, resume=resume, what=what)
+            decision = decide(path, cfg, overwrite=overwrite, resume=resume, what=what,
+                              without_client_state=without_client_state)
     except BaseException:
         RunFolder(path, fd, created, Decision("refused")).release()  # removes the lock file
         if created:
@@ -269,12 +284,13 @@ def open_folder(path: str | Path, cfg: Mapping[str, Any] | None, *, overwrite: b
     folder = RunFolder(path, fd, created, decision)
     if decision.action == "fresh" and decision.note.startswith("cleared"):
         folder.clear()
+    remove_temp_files(path)
     return folder
 
 
 def open_run_folder(path: str | Path, cfg: Mapping[str, Any], *, overwrite: bool = False,
-                    resume: bool = False) -> RunFolder:
-    return open_folder(path, cfg, overwrite=overwrite, resume=resume)
+                    resume: bool = False, without_client_state: bool = False) -> RunFolder:
+    return open_folder(path, cfg, overwrite=overwrite, resume=resume, without_client_state=without_client_state)
 
 
 def open_sweep_folder(path: str | Path, *, overwrite: bool = False) -> RunFolder:
