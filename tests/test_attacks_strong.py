@@ -352,11 +352,12 @@ def test_stacked_attacks_report_progress_and_stop_when_asked(monkeypatch, capsys
 
 def test_strongest_recovers_a_small_batch():
     """The combined preset (attacks.strongest: label counts from the gradient, GRNN's generator as the start
-    of L-BFGS on the pixels) recovers a batch of 2 within a small budget: measured SSIM 0.9999 and 1.0000
-    after 200 generator steps and 400 L-BFGS iterations (the benchmark measures it at its defaults)."""
+    of L-BFGS on the pixels) recovers a batch of 2 within a small budget: measured SSIM 0.998 and 0.999
+    after 100 generator steps and 199 L-BFGS iterations (0.977 and 0.990 after 60 and 139; about 8 CPU
+    seconds; the benchmark measures it at its defaults)."""
     (victim,) = make_round([range(600, 602)], model_seed=5)
-    res = build_attack("strongest", iterations=600, warm=200).run(victim[0])
+    res = build_attack("strongest", iterations=300, warm=100).run(victim[0])
     (s,) = scores([res], [victim])
     assert s["label_acc"] == 1.0 and min(s["per_image"]["ssim"]) >= 0.95, s["per_image"]["ssim"]
     rounds = res.trace["rounds"]
-    assert res.trace["iterations"] <= 600 and rounds[0]["generator"] == 200 and rounds[0]["polish"] > 0
+    assert res.trace["iterations"] <= 300 and rounds[0]["generator"] == 100 and rounds[0]["polish"] > 0
