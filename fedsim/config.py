@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from fedsim.build import build_components
 from fedsim.components import ConfigError, missing_plugin_file
-from fedsim.config_checks import check_data, check_model_and_data
+from fedsim.config_checks import check_data, check_gpus, check_model_and_data, check_simulation
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,11 @@ SCHEMA: dict[str, Field] = {
                           "import reference 'module:function' / 'path/file.py:function' (docs/plugins.md)"),
     "data.params": Field(dict, {}, help="keyword parameters of your own dataset function"),
     "data.partition": Field(str, "iid", choices=("iid", "dirichlet", "pathological", "natural"),
-                            help="natural: one source per client (datasets with sources, e.g. synthetic-2d)"),
+                            help="natural: one source per client (datasets with sources, e.g. synthetic-2d, "
+                            "or data.styles)"),
+    "data.styles": Field(list, [], help="feature shift: the images drawn in one style per source, e.g. "
+                         "[\"plain\", \"inverted\"] (with partition = \"natural\": one style per client); "
+                         "styles: plain, inverted, rotated, low-contrast, blurred, thick"),
     "data.alpha": Field(NUM, 0.5, min=1e-6, help="Dirichlet concentration"),
     "data.classes_per_client": Field(int, 2, min=1, help="pathological: classes per client"),
     "data.min_per_class": Field(int, 10, min=1, help="pathological: fewest samples per class"),
@@ -300,6 +303,8 @@ def precheck(cfg: dict[str, Any]) -> None:
     if data["min_per_class"] > data["max_per_class"]:
         raise ConfigError(f"data.min_per_class ({data['min_per_class']}) must be <= data.max_per_class "
                           f"({data['max_per_class']})")
+    if data["styles"] and not all(isinstance(x, str) for x in data["styles"]):
+        raise ConfigError(f"data.styles must be a list of style names, got {data['styles']!r}")
     if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
         raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
     if not train["momentum"] < 1:
@@ -307,7 +312,7 @@ def precheck(cfg: dict[str, Any]) -> None:
     for section in LIST_SECTIONS:
         if not isinstance(cfg.get(section, []), list) or not all(isinstance(d, dict) for d in cfg.get(section, [])):
             raise ConfigError(f"{section} must be a list of tables ([[{section}]] with name = ...)")
-    _check_simulation(cfg["simulation"])
+    check_simulation(cfg["simulation"])
     for where, name in component_names(cfg):
         problem = missing_plugin_file(name)
         if problem:
@@ -320,11 +325,18 @@ def validate(cfg: dict[str, Any]) -> None:
     the device, every component section (:func:`build_components`) and the data."""
     precheck(cfg)
     data = cfg["data"]
-    if data["partition"] == "natural":
+    if data["styles"]:  # (the styles module imports torch: not in precheck)
+        from fedsim.data.styles import check_styles
+
+        try:
+            check_styles(data["styles"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if data["partition"] == "natural" and not data["styles"]:
         from fedsim.data import builtin_datasets
 
         builtin = builtin_datasets()
-        if not builtin[data["dataset"]].sources:
+        if data["dataset"] not in builtin or not builtin[data["dataset"]].sources:
             raise ConfigError(f"data.partition = 'natural' needs a dataset with natural sources "
                               f"({sorted(n for n, e in builtin.items() if e.sources)}), got {data['dataset']!r}")
     check_model_and_data(cfg)
@@ -335,36 +347,9 @@ def validate(cfg: dict[str, Any]) -> None:
             resolve_device(cfg["device"])
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"device: {exc}") from exc
-    _check_gpus(cfg["simulation"])
+    check_gpus(cfg["simulation"])
     build_components(cfg)
     check_data(cfg, require_available=False)
-
-
-def _check_simulation(sim: Mapping[str, Any]) -> None:
-    """Resources a local Ray cluster can never give (Flower's engine would stall waiting for clients):
-    the CPUs here; the GPUs in :func:`_check_gpus` (they need torch)."""
-    if sim.get("ray_address") and sim["backend"] != "ray":
-        raise ConfigError(f"simulation.ray_address = {sim['ray_address']!r} joins a Ray cluster, but "
-                          f"simulation.backend = {sim['backend']!r} runs no Ray: set simulation.backend = \"ray\"")
-    if sim["backend"] != "ray" or sim.get("ray_address"):
-        return
-    cpus = os.cpu_count() or 1
-    if sim["num_cpus"] > cpus:
-        raise ConfigError(f"simulation.num_cpus = {sim['num_cpus']} is more than this machine's {cpus} CPUs: "
-                          "no client actor could start")
-
-
-def _check_gpus(sim: Mapping[str, Any]) -> None:
-    if sim["backend"] != "ray" or sim.get("ray_address") or not sim["num_gpus"] > 0:
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} but this machine has no GPU "
-                          "(CUDA is not available): no client actor could start")
-    if sim["num_gpus"] > torch.cuda.device_count():
-        raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} is more than this machine's "
-                          f"{torch.cuda.device_count()} GPUs")
 
 
 def _name_slots(cfg: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:

@@ -1,9 +1,11 @@
 """The checks of a config against what it names: the data it loads and partitions, the model and
 dataset it builds (built-in or a user's own, :mod:`fedsim.components`), and whether the configured
-attacks can reconstruct that data. :func:`fedsim.config.validate` runs them; every problem is a
+attacks can reconstruct that data; and the resources a Ray run asks of this machine (CPUs, GPUs).
+:func:`fedsim.config.precheck` / :func:`fedsim.config.validate` run them; every problem is a
 :class:`ConfigError` naming the key."""
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping, Sequence
 
 from fedsim.components import ConfigError
@@ -103,3 +105,30 @@ def check_model_and_data(cfg: Mapping[str, Any]) -> None:
                               f"{d['dataset']!r}")
         loader = DATASETS.lookup(d["dataset"], "data.dataset")
         DATASETS.check_params(loader, d["dataset"], d.get("params") or {}, "data.params")
+
+
+def check_simulation(sim: Mapping[str, Any]) -> None:
+    """Resources a local Ray cluster can never give (Flower's engine would stall waiting for clients):
+    the CPUs here; the GPUs in :func:`check_gpus` (they need torch)."""
+    if sim.get("ray_address") and sim["backend"] != "ray":
+        raise ConfigError(f"simulation.ray_address = {sim['ray_address']!r} joins a Ray cluster, but "
+                          f"simulation.backend = {sim['backend']!r} runs no Ray: set simulation.backend = \"ray\"")
+    if sim["backend"] != "ray" or sim.get("ray_address"):
+        return
+    cpus = os.cpu_count() or 1
+    if sim["num_cpus"] > cpus:
+        raise ConfigError(f"simulation.num_cpus = {sim['num_cpus']} is more than this machine's {cpus} CPUs: "
+                          "no client actor could start")
+
+
+def check_gpus(sim: Mapping[str, Any]) -> None:
+    if sim["backend"] != "ray" or sim.get("ray_address") or not sim["num_gpus"] > 0:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} but this machine has no GPU "
+                          "(CUDA is not available): no client actor could start")
+    if sim["num_gpus"] > torch.cuda.device_count():
+        raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} is more than this machine's "
+                          f"{torch.cuda.device_count()} GPUs")

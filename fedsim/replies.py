@@ -23,6 +23,7 @@ from fedsim.protocol import (
     EVAL_ACCURACY,
     EVAL_EXAMPLES,
     EVAL_LOSS,
+    EVAL_SOURCE_ACCURACY,
     EXTRAS,
     METRICS,
     NUM_EXAMPLES,
@@ -224,8 +225,9 @@ class ReplyChecker:
 
     def check_evaluation(self, reply: Reply) -> None:
         """An ``evaluate`` reply: a metrics record with a finite loss >= 0 (the evaluation's cross-entropy
-        never is negative), an accuracy in [0, 1] and a positive example count (at most the larger of
-        ``federation.max_examples`` and the test split)."""
+        never is negative), an accuracy in [0, 1], a positive example count (at most the larger of
+        ``federation.max_examples`` and the test split) and (when it sends them) accuracies per test source
+        in [0, 1]."""
         m = self.check_metrics(reply, EVAL_LOSS, EVAL_ACCURACY, EVAL_EXAMPLES)
         loss, acc = m[EVAL_LOSS], m[EVAL_ACCURACY]
         if not _is_finite_number(loss) or loss < 0:
@@ -235,3 +237,7 @@ class ReplyChecker:
         if not 0 <= acc <= 1:
             raise InvalidReply(f"{EVAL_ACCURACY} must be in [0, 1], got {acc!r}")
         self.check_count(m[EVAL_EXAMPLES], EVAL_EXAMPLES, bound=self.max_eval_examples)
+        per = m.get(EVAL_SOURCE_ACCURACY)
+        if per is not None and not (isinstance(per, list) and len(per) <= 64 and all(
+                _is_finite_number(a) and 0 <= a <= 1 for a in per)):
+            raise InvalidReply(f"{EVAL_SOURCE_ACCURACY} must be a list of accuracies in [0, 1], got {str(per)[:100]}")

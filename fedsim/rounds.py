@@ -37,6 +37,7 @@ from fedsim.protocol import (
     ERROR_REASON,
     EVAL_ACCURACY,
     EVAL_LOSS,
+    EVAL_SOURCE_ACCURACY,
     EVALUATE,
     EXTRAS,
     HOSTED_PARTITIONS,
@@ -343,9 +344,10 @@ class RoundEngine:
 
     # ---- evaluation by a client (when the server cannot read the model) ------------------------------
     def evaluate_remote(self, grid: Grid, server_round: int, state: Any, record: RoundRecord,
-                        partitions: Sequence[int]) -> tuple[float, float, int] | None:
+                        partitions: Sequence[int]) -> tuple[float, float, int, list[float]] | None:
         """Ask the first of ``partitions`` that answers to evaluate the global state on the common test
-        split; returns (loss, accuracy, partition) or None if none could."""
+        split; returns (loss, accuracy, partition, accuracy per test source - empty when the reply has
+        none) or None if none could."""
         config = train_config(self.cfg, server_round)
         content = RecordDict({CONFIG: config, **self.channel.outgoing(state)})
         for p in partitions:
@@ -353,5 +355,6 @@ class RoundEngine:
                                 self.checks.check_evaluation)
             if replies:
                 m = replies[0].metrics
-                return float(m[EVAL_LOSS]), float(m[EVAL_ACCURACY]), p
+                per = m.get(EVAL_SOURCE_ACCURACY) or []  # checked by check_evaluation
+                return float(m[EVAL_LOSS]), float(m[EVAL_ACCURACY]), p, [float(a) for a in per]
         return None

@@ -3,7 +3,7 @@ model) and client-side (``evaluate.client_fraction``)."""
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from flwr.app import RecordDict
@@ -15,7 +15,7 @@ from fedsim.protocol import CONFIG, EVAL_ACCURACY, EVAL_DATA, EVAL_EXAMPLES, EVA
 from fedsim.rounds import RoundEngine, sample_partitions
 from fedsim.seams import RoundRecord
 from fedsim.seeding import derive_seed
-from fedsim.training.evaluation import evaluate
+from fedsim.training.evaluation import evaluate, source_accuracies
 
 
 class Evaluator:
@@ -33,13 +33,19 @@ class Evaluator:
         if arrays is not None:
             set_weights(self.model, arrays)
             loss, acc = evaluate(self.model, self.ds.x_test, self.ds.y_test, self.device)
-            return {"accuracy": acc, "loss": loss, "evaluated_by": "server"}
+            return {"accuracy": acc, "loss": loss, "evaluated_by": "server",
+                    **self._by_source(source_accuracies(self.model, self.ds, self.device))}
         order = record.contributors or record.sampled or sorted(self.engine.partition_node)
         res = self.engine.evaluate_remote(grid, record.round, state, record, order)
         if res is None:
             return {"accuracy": None, "loss": None, "evaluated_by": "nobody (every evaluator failed)"}
-        loss, acc, p = res
-        return {"accuracy": acc, "loss": loss, "evaluated_by": f"client {p}"}
+        loss, acc, p, per_source = res
+        return {"accuracy": acc, "loss": loss, "evaluated_by": f"client {p}", **self._by_source(per_source)}
+
+    def _by_source(self, accuracies: Sequence[float]) -> dict[str, float]:
+        """``test.<source>_accuracy`` for a test set of several sources (synthetic-2d, ``data.styles``)."""
+        names = self.ds.source_names
+        return {f"test.{n}_accuracy": a for n, a in zip(names, accuracies)} if len(accuracies) == len(names) else {}
 
     def client_evaluate(self, grid: Grid, state: Any, record: RoundRecord) -> dict[str, Any]:
         """Client-side evaluation (``evaluate.client_fraction``): clients drawn from (seed, round)

@@ -11,7 +11,9 @@ against leakage when the runs were attacked).
 ``seeds = [0, 1, 2]`` (top level, or ``fedsim sweep --seeds 0,1,2``) repeats every variant once per
 seed (``seed`` replaced; folders ``<nn>-<label>-seed<s>``): the table then shows ``mean ± std``
 (sample standard deviation) of every column, ``sweep.jsonl`` has the means and ``<column>_std``, and
-``runs.jsonl`` / ``runs.csv`` one row per run.
+``runs.jsonl`` / ``runs.csv`` one row per run. A file with an ``[experiment]`` table runs seeds 0, 1, 2
+unless it names its own (its claims are decided over them, :mod:`fedsim.claims`); its ``--quick``
+variant runs one seed unless ``[quick] seeds`` names more.
 
     seeds = [0, 1]
 

@@ -16,6 +16,7 @@ from fedsim.comparison import (
     table_columns,
     table_formats,
 )
+from fedsim.config import read_toml
 from fedsim.export import write_csv
 from fedsim.reports import atomic_write_text, write_jsonl
 
@@ -48,15 +49,26 @@ def write_sweep_outputs(out_dir: Path, base: dict[str, Any], variants: Sequence[
     write_sweep_report(out_dir, base, rows, seeds, spec, extra)
 
 
-def experiment_rows(spec: SweepSpec, variants: Sequence[tuple[str, dict]],
+def experiment_runs(spec: SweepSpec, variants: Sequence[tuple[str, dict]],
                     run_dirs: dict[int, list[Path]]) -> list[dict[str, Any]]:
-    """One full row per variant that ran (mean over its seeds), with its ``row``/``col``/``family``."""
+    """One full row per run that completed (:func:`fedsim.comparison.run_row`), with its ``seed`` (from
+    the run's config) and the variant's ``row``/``col``/``family``: what the claims are decided on."""
     out = []
     for i, (label, _) in enumerate(variants):
-        dirs = run_dirs.get(i)
-        if not dirs:
-            continue
-        r = mean_std_rows(label, [run_row(label, d, full=True) for d in dirs])
+        meta = {k: v for k, v in spec.meta.get(label, {}).items() if v is not None}
+        for d in run_dirs.get(i, []):
+            seed = read_toml(Path(d) / "config.toml", "run config").get("seed", 0)
+            out.append({**run_row(label, d, full=True), "seed": seed, **meta})
+    return out
+
+
+def experiment_rows(spec: SweepSpec, runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per variant that ran: the mean (and ``<column>_std``) over its seeds' ``runs``, with its
+    ``row``/``col``/``family``."""
+    out = []
+    for label in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == label]
+        r = mean_std_rows(label, mine, [x["seed"] for x in mine] if len(mine) > 1 else ())
         out.append({**r, **{k: v for k, v in spec.meta.get(label, {}).items() if v is not None}})
     return out
 
@@ -64,18 +76,13 @@ def experiment_rows(spec: SweepSpec, variants: Sequence[tuple[str, dict]],
 def experiment_sections(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple[str, dict]],
                         run_dirs: dict[int, list[Path]]) -> list[str]:
     """The report's experiment sections (tables shaped like the paper's, systematic evaluation, claims)."""
-    from fedsim.tables import (
-        claims_markdown,
-        evaluate_claims,
-        paper_table,
-        plot_systematic,
-        systematic,
-        systematic_markdown,
-    )
+    from fedsim.claims import claims_markdown, evaluate_claims
+    from fedsim.tables import paper_table, plot_systematic, systematic, systematic_markdown
 
     if not (spec.report["tables"] or spec.report["systematic"] or spec.claims or spec.report.get("figures")):
         return []
-    rows = experiment_rows(spec, variants, run_dirs)
+    runs = experiment_runs(spec, variants, run_dirs)
+    rows = experiment_rows(spec, runs)
     text = experiment_figures(out_dir, spec, variants)
     for t in spec.report["tables"]:
         text += [f"## {t['title']}\n", paper_table(rows, t), ""]
@@ -91,7 +98,7 @@ def experiment_sections(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple
         text += [systematic_markdown(result, sys_spec, fig), ""]
         atomic_write_text(out_dir / "systematic.json", json.dumps(result, indent=1, default=str))
     if spec.claims:
-        results = evaluate_claims(spec.claims, rows, result, sys_spec)
+        results = evaluate_claims(spec.claims, runs, sys_spec)
         text += [claims_markdown(results), ""]
         atomic_write_text(out_dir / "claims.json", json.dumps(results, indent=1))
     return text
@@ -135,7 +142,11 @@ def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str,
     if exp:
         head += [f"Paper: {exp['paper']}.\n" if exp.get("paper") else "",
                  f"Scale: {exp['scale']}\n" if exp.get("scale") else "",
-                 "**Quick variant** (`--quick`): a smoke-test scale; the numbers are not the experiment's.\n"
+                 f"Seeds: {', '.join(str(x) for x in seeds)} (every variant runs once per seed; the claims are "
+                 "decided over them)\n" if seeds and spec is not None and not spec.quick else "",
+                 "**Quick variant** (`--quick`): a smoke-test scale, "
+                 + (f"seeds {list(seeds)}" if seeds else "one seed")
+                 + "; the numbers are not the experiment's, and a claim needs three seeds to be decided.\n"
                  if spec is not None and spec.quick else "",
                  f"{exp['notes'].strip()}\n" if exp.get("notes") else ""]
     text = [*[h for h in head if h], *extra,

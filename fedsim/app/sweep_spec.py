@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fedsim.app import validate
+from fedsim.claims import check_claims
 from fedsim.config import (
     ConfigError,
     _merge,
@@ -19,7 +20,7 @@ from fedsim.config import (
     precheck,
     read_toml,
 )
-from fedsim.tables import check_claims, check_report
+from fedsim.tables import check_report
 
 
 def variant_slug(label: str) -> str:
@@ -35,6 +36,9 @@ def check_seeds(seeds: Any, where: str = "seeds") -> list[int]:
     return list(seeds)
 
 
+# an experiment's seeds unless its file names them (``seeds = [...]``) or ``--seeds`` does: its claims
+# are decided over at least three (fedsim.claims); ``--quick`` runs one seed unless ``[quick] seeds``
+EXPERIMENT_SEEDS = (0, 1, 2)
 VARIANT_META = ("label", "row", "col", "family")  # variant keys that describe it rather than configure it
 
 
@@ -104,6 +108,16 @@ def _labels(variants: list[dict[str, Any]]) -> tuple[list[str], dict[str, dict[s
     return labels, meta
 
 
+def _override_base(base: dict[str, Any], overrides: Sequence[str]) -> None:
+    """The base names the output folder and heads the report; every override was checked against every
+    selected variant, and one that only a variant can take (defenses.<i>.<param>) skips the base."""
+    for o in overrides:
+        try:
+            apply_overrides(base, [o])
+        except ConfigError:
+            pass
+
+
 def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = (),
               quick: bool = False, checked: Callable[[list[dict[str, Any]]], None] | None = None) -> SweepSpec:
     """Read and validate a sweep/experiment file (every variant's config, the report specs and claims).
@@ -116,6 +130,8 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
     p = Path(path)
     data = read_toml(p, "sweep file")
     seeds = check_seeds(data.pop("seeds")) if "seeds" in data else None
+    if seeds is None and "experiment" in data:  # an experiment decides its claims over seeds
+        seeds = list(EXPERIMENT_SEEDS)
     variants = data.pop("variants", None)
     experiment = data.pop("experiment", {})
     report = data.pop("report", None)
@@ -143,8 +159,8 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
         per_variant = {k: list(v) for k, v in q.get("variant_set", {}).items()}
         if not only and q.get("variants"):
             only = list(q["variants"])
-        if "seeds" in q:
-            seeds = check_seeds(q["seeds"], f"{p}: quick.seeds")
+        # a smoke test: one run per variant at the file's seed unless [quick] names seeds
+        seeds = check_seeds(q["seeds"], f"{p}: quick.seeds") if "seeds" in q else None
     elif quick_spec is not None:
         _check_quick(quick_spec, p, labels)
     unknown = [o for o in only if o not in labels]
@@ -175,11 +191,5 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
             validate(cfg)
         except ConfigError as exc:
             raise ConfigError(f"variants[{index[label]}] ({label}): {exc}") from exc
-    # the base names the output folder and heads the report; every override was checked against every
-    # selected variant above, and one that only a variant can take (defenses.<i>.<param>) skips the base
-    for o in overrides:
-        try:
-            apply_overrides(base, [o])
-        except ConfigError:
-            pass
+    _override_base(base, overrides)
     return SweepSpec(base, out, seeds, experiment, report_spec, claims, meta, quick)
