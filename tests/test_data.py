@@ -330,7 +330,7 @@ def test_a_malformed_per_source_accuracy_is_an_invalid_reply(small_cfg):
 
     from fedsim.app.server import Server
     from fedsim.protocol import EVAL_ACCURACY, EVAL_EXAMPLES, EVAL_LOSS, EVAL_SOURCE_ACCURACY, METRICS
-    from fedsim.seams import InvalidReply
+    from fedsim.replies import InvalidReply
 
     class Evaluation:  # a reply with a metrics record whose values are ``metrics`` (as Reply reads them)
         def __init__(self, metrics):
@@ -342,10 +342,10 @@ def test_a_malformed_per_source_accuracy_is_an_invalid_reply(small_cfg):
         def record(self, name):
             return MetricRecord({})
 
-    engine = Server(small_cfg(), None, [], progress=False).engine
+    checks = Server(small_cfg(), None, [], progress=False).engine.checks
     ok = {EVAL_LOSS: 1.0, EVAL_ACCURACY: 0.5, EVAL_EXAMPLES: 10}
-    engine.check_evaluation(Evaluation(ok))
-    engine.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: [0.25, 1.0]}))
+    checks.check_evaluation(Evaluation(ok))
+    checks.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: [0.25, 1.0]}))
     for bad in ([0.5, 1.5], [float("nan")], "0.5", [True], [0.5] * 65):
         with pytest.raises(InvalidReply, match=EVAL_SOURCE_ACCURACY):
-            engine.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: bad}))
+            checks.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: bad}))
