@@ -87,8 +87,7 @@ class RandomKeyEvaluation(Observer):
                  key_length: int = keylock.DEFAULT_KEY_LENGTH, key_salt: int = 0):
         self.cfg = cfg
         self.blocks = keylock.check_blocks(blocks)
-        if isinstance(key_length, bool) or not isinstance(key_length, int) or key_length < 1:
-            raise ValueError(f"key_length must be an integer >= 1, got {key_length!r}")
+        key_length = keylock.check_key_length(key_length)
         self.key_length, self.key_salt = int(key_length), int(key_salt)
         self.own: dict[int, dict[int, float]] = {}  # round -> client -> own-key accuracy
         self.lock_fraction: float | None = None

@@ -166,7 +166,9 @@ def test_report_figures_are_drawn_linked_or_noted(tmp_path):
     ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~="\nthan = 1', r"margin must be a number >= 0"),
     ('[[report.figures]]\ntitle = "t"\ndraw = "no_such_module_xyz:f"', r"report.figures\[0\].draw: cannot import"),
     ('[[report.figures]]\ntitle = "t"', r"report.figures\[0\] must be a table with a 'title' and 'draw'"),
-    ('[[report.figures]]\ntitle = "t"\ndraw = "json:__name__"', r"is not a function"),
+    ('[[report.figures]]\ntitle = "t"\ndraw = "experiments.fedboosting_table:SWEEP"',
+     r"must name a class or a function \(got PosixPath\)"),
+    ('[[report.figures]]\ntitle = "t"\ndraw = "shutil:rmtree"', r"'shutil:rmtree' names Python's standard library"),
     ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~="\nthan = 1\nmargin = -0.1', r"margin must be"),
 ])
 def test_bad_experiment_files_name_the_key(tmp_path, bad, msg):
