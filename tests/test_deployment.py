@@ -65,13 +65,14 @@ def _stop(marker: str, sig: int = signal.SIGTERM, wait: float = 20.0) -> None:
         time.sleep(0.2)
 
 
-def _wait_for(pred, timeout: float, what: str) -> None:
+def _wait_for(pred, timeout: float, what) -> None:
+    """Wait until ``pred()``; ``what`` (a string, or a function giving one when the wait fails) says for what."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if pred():
             return
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
 
 
 def _credentials(tmp_path: Path, nodes: list[str]) -> dict[str, Path]:
@@ -112,7 +113,7 @@ def test_secure_deployment_refuses_an_unregistered_node_and_survives_a_killed_on
     by scripts/deploy_credentials.py with `cryptography`) with SuperNode authentication
     (`--enable-supernode-auth`; the public keys of three SuperNodes registered with `flwr supernode
     register`), on loopback. The port speaks TLS only; a fourth SuperNode whose key was never registered is
-    refused (it exits with Flower's connection error, 305, and the SuperLink logs the failed activation);
+    refused (it exits with Flower's connection error code 305, and the SuperLink logs the failed activation);
     `flwr run` submits fedsim over TLS: round 1 has the 3 registered nodes' replies, then one of them is
     killed, and the run still completes its 3 rounds with that node's failures recorded."""
     for tool in ("flwr", "flower-superlink", "flower-supernode"):
@@ -135,7 +136,7 @@ def test_secure_deployment_refuses_an_unregistered_node_and_survives_a_killed_on
         return subprocess.Popen(
             [str(BIN / "flower-supernode"), "--root-certificates", str(creds["ca"]),
              "--auth-supernode-private-key", str(creds[f"{name}.key"]), "--superlink", f"127.0.0.1:{port}",
-             "--host", "127.0.0.1", "--port", str(_free_port()), "--max-retries", "1",
+             "--host", "127.0.0.1", "--port", str(_free_port()),
              "--node-config", f"partition-id={i} num-partitions=3 marker='{marker}'"],
             env=env, stdout=open(logs / f"{name}.log", "w"), stderr=subprocess.STDOUT)
 
@@ -158,12 +159,12 @@ def test_secure_deployment_refuses_an_unregistered_node_and_survives_a_killed_on
         intruder = supernode("intruder", 0)
         nodes = [supernode(n, i) for i, n in enumerate(names[:3])]
         procs += [intruder, *nodes]
-        assert intruder.wait(timeout=300) == 305, (logs / "intruder.log").read_text()[-2000:]
-        assert "Failed to activate SuperNode" in (logs / "intruder.log").read_text()
+        said = (logs / "intruder.log").read_text() if intruder.wait(timeout=300) is not None else ""
+        assert intruder.returncode != 0 and "Exit Code: 305" in said and "Failed to activate SuperNode" in said, said
         assert "No SuperNode found with the given public key" in (logs / "superlink.log").read_text()
 
         overrides = ("federation.rounds=3;federation.num_clients=3;output.observers=[];"
-                     "federation.round_timeout=120;train.local_epochs=1")
+                     "federation.round_timeout=300;train.local_epochs=1")
         run = subprocess.Popen([str(BIN / "flwr"), "run", ".", "deploy", "--run-config",
                                 f'overrides="{overrides}" out="{out}"', "--stream"],
                                cwd=ROOT, env=env, stdout=open(logs / "run.log", "w"), stderr=subprocess.STDOUT)
@@ -173,7 +174,7 @@ def test_secure_deployment_refuses_an_unregistered_node_and_survives_a_killed_on
             p = out / "metrics.jsonl"
             return p.exists() and any(row["round"] == r for row in read_jsonl(p, skip_bad=True))
 
-        _wait_for(lambda: round_done(1), 900, "round 1 (log: " + (logs / "run.log").read_text()[-1500:] + ")")
+        _wait_for(lambda: round_done(1), 900, lambda: "round 1 (log: " + (logs / "run.log").read_text()[-1500:] + ")")
         nodes[2].send_signal(signal.SIGKILL)  # the node serving partition 2 dies mid-run
         _wait_for(lambda: (out / "summary.json").exists(), 900, "the end of the run")
         assert run.wait(timeout=300) == 0, (logs / "run.log").read_text()[-3000:]
