@@ -1,7 +1,8 @@
 """Gradient-leakage attacks of a curious server.
 
 Importing this package registers every attack in :data:`fedsim.components.ATTACKS` and the curious
-server and seed 002's curious client (``curious-client``) in :data:`fedsim.components.OBSERVERS`:
+server, seed 002's curious client (``curious-client``) and the curious server's membership inference
+(``curious-server-mia``, :mod:`attacks.membership_server`) in :data:`fedsim.components.OBSERVERS`:
 
 * ``dlg``  - Deep Leakage from Gradients (Zhu et al. 2019), labels optimised jointly;
 * ``idlg`` - DLG with labels inferred from the gradient (Zhao et al. 2020);
@@ -32,6 +33,7 @@ from . import (  # noqa: F401  (registration)
     grnn,
     inverting,
     knowledge,
+    membership_server,
     regularised,
     robbing,
 )

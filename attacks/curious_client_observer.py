@@ -67,7 +67,16 @@ from fedsim.training import Recipe, batch_schedule, derive_seed, iter_batches
 
 from .curious import select_truth
 from .curious_client import invert_rows, invert_single, others_gradient, span_inversion
-from .membership import FEATURES, layer_features, membership_inference
+from .membership import (
+    AUDIT_COLUMNS,
+    FEATURES,
+    TPR_KEYS,
+    calibrated_scores,
+    layer_features,
+    loss_scores,
+    membership_inference,
+    roc,
+)
 
 _NEED = {"last": 1, "second": 2, "third": 3, "last3": 3}
 log = logging.getLogger("fedsim")
@@ -148,6 +157,7 @@ class CuriousClient(Observer):
         self.rows: list[dict[str, Any]] = []
         self.out: Path | None = None
         self._images: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+        self._curves: dict[str, dict[str, list[float]]] = {}  # ROC curves of the membership attacks
 
     # ---- the client's view ----------------------------------------------------------------------------
     def observe(self, update: ClientUpdate) -> None:
@@ -291,6 +301,7 @@ class CuriousClient(Observer):
         target = views["same round"]
         rows = []
         slope, C = self.spec.negative_slope, ds.num_classes
+        audit_cols = {k: None for k in AUDIT_COLUMNS}
         for f in self.features:
             def feats(layers, idx, test=False, f=f):
                 x, y = (ds.x_test, ds.y_test) if test else (ds.x_train, ds.y_train)
@@ -302,9 +313,30 @@ class CuriousClient(Observer):
                 v = views[calib]
                 res = membership_inference((feats(v, cal_m), feats(v, cal_n, True)), (tm, tn), features=f,
                                            seed=self.seed, epochs=self.mia_epochs)
+                audit = res.audit or {}
+                self._curves[f"cc-mia {f} ({calib})"] = {"fpr": audit.get("fpr", []), "tpr": audit.get("tpr", [])}
                 rows.append({"round": cur.round, "client": self.client, "attack": "cc-mia", "features": f,
                              "calibration": calib, "known": 2 * n_cal, "scored": 2 * n_eval, "asr": res.accuracy,
-                             "calibration_asr": res.calibration_accuracy, "seconds": time.perf_counter() - t0})
+                             "calibration_asr": res.calibration_accuracy,
+                             **{k: audit.get(k) for k in audit_cols}, "seconds": time.perf_counter() - t0})
+        # score attacks on the model's outputs (no attack model): the loss under the attacked round's model
+        # (Yeom et al.) and its drop from the previous round's (difficulty calibration, Watson et al.)
+        def logits(layers, idx, test=False):
+            x = (ds.x_test if test else ds.x_train)[idx].double()
+            return ll.forward(layers, x, negative_slope=slope)[0]
+
+        ym, yn = ds.y_train[eval_m], ds.y_test[eval_n]
+        tgt = (logits(target, eval_m), logits(target, eval_n, True))
+        ref = (logits(views["previous round"], eval_m), logits(views["previous round"], eval_n, True))
+        for attack, (sm, sn) in (("cc-loss", (loss_scores(tgt[0], ym), loss_scores(tgt[1], yn))),
+                                 ("cc-calibrated", (calibrated_scores(tgt[0], ref[0], ym),
+                                                    calibrated_scores(tgt[1], ref[1], yn)))):
+            audit = roc(sm, sn)
+            self._curves[attack] = {"fpr": audit["fpr"], "tpr": audit["tpr"]}
+            rows.append({"round": cur.round, "client": self.client, "attack": attack, "features": "output",
+                         "calibration": "previous round" if attack == "cc-calibrated" else "-", "known": 0,
+                         "scored": 2 * n_eval, "asr": None, "calibration_asr": None,
+                         **{k: audit[k] for k in audit_cols}, "seconds": 0.0})
         return rows
 
     # ---- outputs ------------------------------------------------------------------------------------------
@@ -324,12 +356,18 @@ class CuriousClient(Observer):
         for f in self.features:
             rs = [r for r in self.rows if r["attack"] == "cc-mia" and r["features"] == f]
             if rs:
-                entry = {"attack": f"cc-mia-{f}", "asr": mean([r for r in rs if r["calibration"] == "previous round"],
-                                                              "asr"), "columns": ["asr"]}
+                prev = [r for r in rs if r["calibration"] == "previous round"]
+                entry = {"attack": f"cc-mia-{f}", "asr": mean(prev, "asr"),
+                         **{k: mean(prev, k) for k in AUDIT_COLUMNS}, "columns": ["asr", "auc", TPR_KEYS[1e-2]]}
                 if self.adaptive:
                     entry["asr_same_round"] = mean([r for r in rs if r["calibration"] == "same round"], "asr")
                     entry["columns"].append("asr_same_round")
                 out.append(entry)
+        for attack in ("cc-loss", "cc-calibrated"):
+            rs = [r for r in self.rows if r["attack"] == attack]
+            if rs:
+                out.append({"attack": attack, **{k: mean(rs, k) for k in AUDIT_COLUMNS},
+                            "columns": ["auc", TPR_KEYS[1e-3], TPR_KEYS[1e-2]]})
         return out
 
     def on_finish(self) -> dict[str, Any]:
@@ -344,6 +382,11 @@ class CuriousClient(Observer):
         write_jsonl(self.out / "client_leakage.jsonl", self.rows)
         if self._images:
             self._write_grid()
+        if self._curves:
+            from .membership_server import plot_roc
+
+            plot_roc(self._curves, self.out / "client_membership_roc.png",
+                     f"curious client {self.client}: membership in the other clients' data")
 
     def _write_grid(self, most: int = 12) -> None:
         import matplotlib
@@ -375,7 +418,7 @@ class CuriousClient(Observer):
         transforms = [t.get("name") for t in self.cfg.get("transforms") or []]
         defence = "under the lossless perturbation" if "lossless-perturbation" in transforms else "without a defence"
         inv = [r for r in self.rows if r["attack"] in ("cc-invert", "cc-span")]
-        mia = [r for r in self.rows if r["attack"] == "cc-mia"]
+        mia = [r for r in self.rows if r["attack"] in ("cc-mia", "cc-loss", "cc-calibrated")]
         text = [f"## Curious client (client {self.client}, {defence})\n",
                 "What one honest-but-curious client can learn from what it receives (seed 002 §3, §6.4): the "
                 "model sent to it every round, its own reply and data, the public partition sizes. Nothing from "
@@ -393,11 +436,17 @@ class CuriousClient(Observer):
                 text.append("![client reconstruction](client_reconstruction.png)\n")
         if mia:
             text += ["### Membership inference (§6.4.1)\n",
-                     "Attack model on the chosen layer outputs + label, calibrated on records the client knows "
-                     "(its own training records: members; test records: non-members) with the model of the "
-                     "calibration round, scored (balanced accuracy, chance 0.5) on other clients' training "
-                     "records and unseen test records with the model of the attacked round.\n",
-                     md_table(mia, ["round", "features", "calibration", "known", "scored", "asr", "calibration_asr",
-                                    "seconds", "accuracy"],
-                              {"asr": ".3f", "calibration_asr": ".3f", "seconds": ".2f", "accuracy": ".4f"})]
+                     "`cc-mia`: attack model on the chosen layer outputs + label, calibrated on records the client "
+                     "knows (its own training records: members; test records: non-members) with the model of the "
+                     "calibration round, scored on other clients' training records and unseen test records with the "
+                     "model of the attacked round (`asr`: balanced accuracy, chance 0.5; its scores: the attack "
+                     "model's logit). `cc-loss`: the attacked round's loss (Yeom et al.); `cc-calibrated`: its drop "
+                     "from the previous round's model (Watson et al.). AUC 0.5 is chance; TPR at 0.1% / 1% FPR with "
+                     "n scored non-members has resolution 1/n.\n",
+                     md_table(mia, ["round", "attack", "features", "calibration", "known", "scored", "asr",
+                                    "calibration_asr", *AUDIT_COLUMNS, "seconds", "accuracy"],
+                              {"asr": ".3f", "calibration_asr": ".3f", "auc": ".3f", TPR_KEYS[1e-3]: ".3f",
+                               TPR_KEYS[1e-2]: ".3f", "seconds": ".2f", "accuracy": ".4f"})]
+            if self._curves:
+                text.append("\n![membership ROC](client_membership_roc.png)\n")
         return "\n".join(text)

@@ -1,4 +1,26 @@
-"""Membership inference by a curious client from model outputs (seed 002, §6.4.1).
+"""Membership inference: the attacks, their scores and the audit metrics (ROC AUC, TPR at low FPR).
+
+Every attack here gives each candidate record a *score* (higher: more likely a member); :func:`roc`
+turns the scores of known members and non-members into the audit researchers quote (Carlini et al.,
+"Membership Inference Attacks From First Principles", S&P 2022): the ROC curve, its AUC and the true
+positive rate at 0.1% and 1% false positive rate (scikit-learn's ``roc_curve`` / ``roc_auc_score``;
+with n non-members the smallest measurable FPR is 1/n, and TPR at a smaller FPR is the TPR at FPR 0).
+
+Attacks (all return scores for ``(x, y)`` candidates):
+
+* the surrogate attack model of seed 002 / Nasr et al. (below: :func:`membership_inference`; its score is
+  the attack model's logit);
+* :func:`loss_scores` - the loss threshold attack (Yeom et al., CSF 2018): ``-loss(target, x)``;
+* :func:`calibrated_scores` - difficulty calibration (Watson et al., ICLR 2022): ``loss(reference, x) -
+  loss(target, x)``, the reference being a model that did not train on the candidates (in FL: the model
+  before the round the target trained in), so that records that are easy for every model do not look like
+  members;
+* :func:`lira_scores` - the online likelihood-ratio attack (LiRA, Carlini et al. 2022): shadow models
+  trained the way the target was, each on a random half of the candidates; for every candidate the
+  logit-scaled confidence ``log p_y - log(1 - p_y)`` of the shadows that trained on it and of those that
+  did not are fitted with Gaussians, and the target's confidence is scored by the log-likelihood ratio.
+
+Surrogate attack model (seed 002, §6.4.1):
 
 The paper follows Nasr et al. (S&P 2019, its ref. [23]): a *surrogate attack model* takes the final
 prediction or an intermediate layer's output of a record and says "member" or "non-member". The attacker
@@ -22,9 +44,11 @@ views separately.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -120,11 +144,18 @@ def attack_accuracy(model: AttackModel, members: torch.Tensor, non_members: torc
     return float((hit_m + hit_n) / 2)
 
 
+@torch.no_grad()
+def attack_scores(model: AttackModel, features: torch.Tensor) -> torch.Tensor:
+    """The attack model's logit ("member") for every record."""
+    return model(features.float())
+
+
 @dataclass
 class MembershipResult:
     accuracy: float  # on the held-out balanced set, from the target view
     calibration_accuracy: float  # on the attacker's own training records, from the calibration view
     features: str
+    audit: dict[str, Any] | None = None  # roc() of the attack model's scores on the held-out set
 
 
 def membership_inference(calib: tuple[torch.Tensor, torch.Tensor], target: tuple[torch.Tensor, torch.Tensor],
@@ -133,4 +164,108 @@ def membership_inference(calib: tuple[torch.Tensor, torch.Tensor], target: tuple
     half of the members and unseen non-members), each computed by :func:`layer_features` on the model
     view the threat model gives the attacker for that step."""
     model = train_attack_model(*calib, seed=seed, **train_kw)
-    return MembershipResult(attack_accuracy(model, *target), attack_accuracy(model, *calib), features)
+    audit = roc(attack_scores(model, target[0]), attack_scores(model, target[1]))
+    return MembershipResult(attack_accuracy(model, *target), attack_accuracy(model, *calib), features, audit)
+
+
+# ============================================================================ audit metrics
+FPRS = (1e-3, 1e-2)  # the low false positive rates TPR is reported at
+TPR_KEYS = {1e-3: "tpr_at_fpr_1e-3", 1e-2: "tpr_at_fpr_1e-2"}
+AUDIT_COLUMNS = ("auc", *TPR_KEYS.values())
+
+
+def _array(v: Any) -> np.ndarray:
+    a = v.detach().cpu().double().numpy() if isinstance(v, torch.Tensor) else np.asarray(v, dtype=np.float64)
+    return a.reshape(-1)
+
+
+def roc(member_scores: Any, non_member_scores: Any, *, curve_points: int = 200) -> dict[str, Any]:
+    """The membership audit of scores (higher = member): ROC AUC, TPR at 0.1% and 1% FPR, and the ROC curve
+    (``fpr``, ``tpr``, thinned to about ``curve_points`` points for storage). scikit-learn's metrics.
+
+    TPR at FPR x is the largest TPR of a threshold whose FPR is at most x (LiRA's convention; with n
+    non-members FPRs below 1/n are met only by thresholds above every non-member)."""
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    m, n = _array(member_scores), _array(non_member_scores)
+    if not len(m) or not len(n):
+        raise ValueError("a membership audit needs members and non-members")
+    bad = ~np.isfinite(np.concatenate([m, n]))
+    if bad.any():
+        raise ValueError(f"{int(bad.sum())} membership scores are not finite")
+    y = np.concatenate([np.ones(len(m)), np.zeros(len(n))])
+    s = np.concatenate([m, n])
+    fpr, tpr, _ = roc_curve(y, s)
+    out: dict[str, Any] = {"auc": float(roc_auc_score(y, s)), "members": int(len(m)), "non_members": int(len(n))}
+    for x, key in TPR_KEYS.items():
+        out[key] = float(tpr[fpr <= x].max())
+    keep = np.unique(np.linspace(0, len(fpr) - 1, min(len(fpr), curve_points)).round().astype(int))
+    out["fpr"], out["tpr"] = fpr[keep].tolist(), tpr[keep].tolist()
+    return out
+
+
+# ============================================================================ score attacks
+def per_example_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of every record (the model's logits, the true labels)."""
+    return F.cross_entropy(logits.double(), y.long().to(logits.device), reduction="none").cpu()
+
+
+def loss_scores(target_logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Loss threshold attack (Yeom et al. 2018): members have low loss."""
+    return -per_example_loss(target_logits, y)
+
+
+def calibrated_scores(target_logits: torch.Tensor, reference_logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Difficulty-calibrated loss (Watson et al. 2022): how much lower the record's loss is under the target
+    than under a reference model that did not train on it."""
+    return per_example_loss(reference_logits, y) - per_example_loss(target_logits, y)
+
+
+def scaled_confidence(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """LiRA's statistic ``log p_y - log(1 - p_y)`` from logits, computed stably as ``z_y - logsumexp(z_{-y})``."""
+    z = logits.double().cpu()
+    y = y.long().cpu()
+    zy = z.gather(1, y[:, None]).squeeze(1)
+    others = z.scatter(1, y[:, None], -math.inf)
+    return zy - torch.logsumexp(others, 1)
+
+
+def lira_scores(target_conf: torch.Tensor, shadow_conf: torch.Tensor, shadow_in: torch.Tensor,
+                *, min_std: float = 1e-3) -> torch.Tensor:
+    """Online LiRA (Carlini et al. 2022): the log-likelihood ratio of each candidate's target statistic under
+    Gaussians fitted to the shadow models that trained on it (``shadow_in``, ``(K, N)`` bool) and to those
+    that did not. ``shadow_conf`` is ``(K, N)`` (:func:`scaled_confidence` of each shadow on each
+    candidate). Means are per candidate; the standard deviation is the global one of each side (LiRA's
+    choice for few shadows). Every candidate needs at least one IN and one OUT shadow."""
+    conf = shadow_conf.double()
+    inn = shadow_in.bool()
+    if conf.shape != inn.shape or conf.dim() != 2 or conf.shape[1] != len(target_conf):
+        raise ValueError(f"shadow statistics {tuple(conf.shape)}, IN mask {tuple(inn.shape)} and "
+                         f"{len(target_conf)} candidates do not match")
+    n_in, n_out = inn.sum(0), (~inn).sum(0)
+    if int(n_in.min()) < 1 or int(n_out.min()) < 1:
+        raise ValueError("every candidate needs shadow models that trained on it and shadow models that did not")
+    mu_in = (conf * inn).sum(0) / n_in
+    mu_out = (conf * ~inn).sum(0) / n_out
+    dev_in = ((conf - mu_in) * inn)
+    dev_out = ((conf - mu_out) * ~inn)
+    sd_in = max(float(torch.sqrt((dev_in ** 2).sum() / max(int(inn.sum()) - 1, 1))), min_std)
+    sd_out = max(float(torch.sqrt((dev_out ** 2).sum() / max(int((~inn).sum()) - 1, 1))), min_std)
+    t = target_conf.double().cpu()
+    log_in = -0.5 * ((t - mu_in) / sd_in) ** 2 - math.log(sd_in)
+    log_out = -0.5 * ((t - mu_out) / sd_out) ** 2 - math.log(sd_out)
+    return log_in - log_out
+
+
+def balanced_halves(n: int, shadows: int, gen: torch.Generator) -> torch.Tensor:
+    """``(shadows, n)`` IN mask of LiRA's paired design: shadows 2k and 2k+1 split a random permutation of the
+    candidates in two halves, so every shadow trains on half of them and every candidate is IN for exactly
+    half of the shadows (``shadows`` even, >= 2)."""
+    if shadows < 2 or shadows % 2:
+        raise ValueError(f"shadows must be an even number >= 2, got {shadows!r}")
+    mask = torch.zeros(shadows, n, dtype=torch.bool)
+    for k in range(shadows // 2):
+        perm = torch.randperm(n, generator=gen)
+        mask[2 * k, perm[: n // 2]] = True
+        mask[2 * k + 1, perm[n // 2:]] = True
+    return mask

@@ -1,17 +1,16 @@
 """Paillier channel cost: per-element vs BatchCrypt-packed encryption, and online encryption with
 precomputed obfuscators.
 
-What a client of the channel encrypts: a LeNet-5-size model (61,706 values: the classic LeNet-5 layer
-shapes; ``--what model``, the default: a common N(0, 0.1) global model plus a per-client N(0, 0.01)
-update, because the channel encrypts the whole trained model, docs/paillier.md) or an update alone
-(``--what update``: N(0, 0.01)), for ``--clients`` clients, quantized to ``--bits`` bits over
-``[-clip, clip]``, eq. 4.4 integer weights ``round(p_i * P)`` with ``P = --precision``; ``--key-bits``
-Paillier keys. The defaults of ``--key-bits``, ``--bits``, ``--clip`` and ``--precision`` are read from
-the channel's own defaults (``strategies.paillier.PaillierChannel``: 2048, 16, 4.0, 4096), and the
-packing layout's ``max_total_weight`` is the channel's ``precision + clients``, so the run measures the
-layout a user of ``[channel] name = "paillier"`` gets (69 values per plaintext at 10 clients). The
-figures published before (88 values per plaintext) came from
-``--what update --clip 0.05 --precision 100``. Measured side by side in one run:
+What a client of the channel encrypts: an update of a LeNet-5-size model (61,706 values: the classic
+LeNet-5 layer shapes; ``--what update``, the default, as the channel encrypts since issue 27: N(0, 0.01)
+per client, over the channel's automatic clip, the power of two above the largest entry) or a whole
+model (``--what model``: a common N(0, 0.1) global model plus a per-client N(0, 0.01) update, over
+``--clip`` 4.0, the channel's ``encrypt = "model"``), for ``--clients`` clients, quantized to
+``--bits`` bits, eq. 4.4 integer weights ``round(p_i * P)`` with ``P = --precision``; ``--key-bits``
+Paillier keys. The defaults of ``--key-bits``, ``--bits`` and ``--precision`` are read from the
+channel's own defaults (``strategies.paillier.PaillierChannel``: 2048, 16, 4096), and the packing
+layout's ``max_total_weight`` is the channel's ``precision + clients``, so the run measures the layout a
+user of ``[channel] name = "paillier"`` gets (69 values per plaintext at 10 clients). Measured side by side in one run:
 
 * packed: every client encodes its whole update (quantize, pack, full ``phe`` encryption with a fresh
   ``r``), the server verifies and combines, one client decodes; checked against the plaintext
@@ -19,12 +18,13 @@ figures published before (88 values per plaintext) came from
 * per-element (one value per ciphertext): the same on the first ``--sample`` values of every client,
   extrapolated linearly to the whole update (printed as extrapolated); its decrypted integer sums
   are compared with the packed path's;
-* precomputation: one client's obfuscators ``r**n mod n**2`` computed off-line (plain and by CRT
-  with the private key every client holds), then the online encode with the pool; and how much a
-  background fill slows a pure-Python loop on the main thread (GIL released vs held).
+* obfuscators: one client's ``r**n mod n**2`` (``phe``'s, plain and by CRT with the private key every
+  client holds) and the channel's short-exponent ``h**alpha`` (plain and by CRT, its default), then the
+  online encode with a filled pool; and how much a background fill slows a pure-Python loop on the
+  main thread (GIL released vs held). The packed row's "encrypt" uses full ``phe`` encryption.
 
     .venv/bin/python benchmarks/paillier.py [--key-bits 2048] [--clients 10] [--bits 16]
-        [--clip 4.0] [--precision 4096] [--what model|update] [--sample 200] [--seed 0]
+        [--clip C] [--precision 4096] [--what update|model] [--sample 200] [--seed 0]
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import gmpy2
 import numpy as np
 
 from fedsim.crypto import paillier as pl
-from fedsim.crypto.quantize import Quantizer, aggregate_error_bound, integer_weights
+from fedsim.crypto.quantize import Quantizer, aggregate_error_bound, integer_weights, range_exponent
 from strategies.paillier import PaillierChannel
 
 CHANNEL_DEFAULTS = {k: v.default for k, v in inspect.signature(PaillierChannel.__init__).parameters.items()
@@ -94,14 +94,17 @@ def main() -> None:
     ap.add_argument("--key-bits", type=int, default=d["key_bits"])
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--bits", type=int, default=d["bits"])
-    ap.add_argument("--clip", type=float, default=d["clip"])
+    ap.add_argument("--clip", type=float, default=d["clip"],
+                    help="default: the channel's automatic clip for updates (the power of two above the largest "
+                         "update entry), 4.0 for models")
     ap.add_argument("--precision", type=int, default=d["precision"])
-    ap.add_argument("--what", choices=("model", "update"), default="model",
-                    help="encrypt models (what the channel does; default) or updates alone")
+    ap.add_argument("--what", choices=("model", "update"), default="update",
+                    help="encrypt updates (what the channel does by default) or whole models (encrypt = model)")
     ap.add_argument("--sample", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    at_defaults = all(getattr(args, k) == d[k] for k in ("key_bits", "bits", "clip", "precision"))
+    at_defaults = all(getattr(args, k) == d[k] for k in ("key_bits", "bits", "clip", "precision")) and \
+        args.what == d["encrypt"]
 
     rng = np.random.default_rng(args.seed)
     base = [rng.normal(0.0, 0.1, s) if args.what == "model" else np.zeros(s) for s in LENET5]
@@ -112,6 +115,9 @@ def main() -> None:
     p = rng.dirichlet(np.ones(args.clients))
     weights = integer_weights(p, args.precision)
     max_w = args.precision + args.clients  # the channel's max_total_weight: W = sum round(p_i P) <= P + N/2
+    if args.clip is None:
+        args.clip = 2.0 ** range_exponent(np.concatenate(flat) - np.tile(flat_base, args.clients)) \
+            if args.what == "update" else 4.0
     qz = Quantizer(bits=args.bits, clip=args.clip)
     (pk, sk), t_keygen = timed(pl.generate_keypair, args.key_bits)
     packed = pl.PaillierCodec(pk, qz, max_w, private_key=sk)
@@ -156,14 +162,16 @@ def main() -> None:
           f"mean (bound {bound_p:.2e}); {packed.clipped_total} values clipped; per-element integer sums on "
           f"{s} values equal to the packed path's: {same}", flush=True)
 
-    # ---- precomputed obfuscation for one client (plain and CRT interleaved in chunks of 50)
-    plain_pool, crt_pool = pl.ObfuscatorPool(pk), pl.ObfuscatorPool(pk, sk)
+    # ---- precomputed obfuscation for one client: phe's r^n and the short exponent h^alpha, each plain and
+    # by CRT, interleaved in chunks of 50
+    plain_pool, crt_pool = pl.ObfuscatorPool(pk, method="full"), pl.ObfuscatorPool(pk, sk, method="full")
+    short_pool, short_crt = pl.ObfuscatorPool(pk), pl.ObfuscatorPool(pk, sk)
     for start in range(0, n_ct, 50):
-        plain_pool.fill(min(50, n_ct - start))
-        crt_pool.fill(min(50, n_ct - start))
-    online = pl.PaillierCodec(pk, qz, max_w, private_key=sk, pool=crt_pool)
+        for pool in (plain_pool, crt_pool, short_pool, short_crt):
+            pool.fill(min(50, n_ct - start))
+    online = pl.PaillierCodec(pk, qz, max_w, private_key=sk, pool=short_crt)
     online_payload, t_online = timed(online.encode, updates[0])
-    assert crt_pool.inline == 0 and len(crt_pool) == 0
+    assert short_crt.inline == 0 and len(short_crt) == 0
     same_online = bool(np.array_equal(online.decode_sums(online_payload, num), packed.decode_sums(payloads[0], num)))
     busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     alone, beside_pool, beside_gil = interference(pk, sk)
@@ -190,9 +198,13 @@ def main() -> None:
     print(f"  off-line precompute r^n mod n^2 (plain)             {plain_pool.precompute_seconds:8.3f} s")
     print(f"  off-line precompute r^n mod n^2 (CRT, private key)  {crt_pool.precompute_seconds:8.3f} s  "
           f"({plain_pool.precompute_seconds / crt_pool.precompute_seconds:.2f}x faster)")
+    print(f"  short exponent h^alpha ({short_crt._short.alpha_bits}-bit alpha, fixed-base tables)  "
+          f"{short_pool.precompute_seconds:8.3f} s  ({plain_pool.precompute_seconds / short_pool.precompute_seconds:.1f}x)")
+    print(f"  short exponent h^alpha, CRT (the channel's default)  {short_crt.precompute_seconds:8.3f} s  "
+          f"({plain_pool.precompute_seconds / short_crt.precompute_seconds:.1f}x faster than plain r^n)")
     print(f"  online encode with the pool (critical path)         {t_online:8.3f} s  "
           f"({per_client / t_online:.0f}x faster than full encryption; target <= 1 s; "
-          f"inline obfuscators {crt_pool.inline}; decodes to the same sums: {same_online})")
+          f"inline obfuscators {short_crt.inline}; decodes to the same sums: {same_online})")
     print(f"  a pure-Python loop on the main thread: {alone:.3f} s alone, {beside_pool:.3f} s "
           f"({beside_pool / alone:.2f}x) beside fill_async (GIL released), {beside_gil:.3f} s "
           f"({beside_gil / alone:.2f}x) beside a fill that holds the GIL")

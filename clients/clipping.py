@@ -12,6 +12,7 @@ usual approximation (as in Abadi et al.'s own experiments).
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -21,8 +22,10 @@ from torch.func import functional_call, grad, vmap
 
 from clients.noise import UpdateDefense
 from fedsim.defense import Defense, DefenseContext, LossFn, register
-from fedsim.factories import model_for
-from fedsim.protocol import BATCH_SIZE
+from fedsim.factories import model_for, partitions_for
+from fedsim.privacy import AGAINST_SERVER, Mechanism, epsilon
+from fedsim.protocol import BATCH_SIZE, recipe_of
+from fedsim.training import Recipe, iter_batches
 
 
 def per_sample_gradients(module: nn.Module, params: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
@@ -218,9 +221,30 @@ class DPSGD(Defense):
         """Epsilon at ``delta`` spent so far over all rounds (inf without noise)."""
         if self._acct is None or not self._acct.history:
             return 0.0
-        if self.noise_multiplier == 0 or any(z == 0 for z, _, _ in self._acct.history):
-            return float("inf")
-        return float(self._acct.get_epsilon(delta=self.delta))
+        return epsilon(self._acct.history, self.delta)  # fedsim.privacy: the run's one accountant
+
+    def privacy(self, cfg: Mapping[str, Any], key: str, previous: Defense | None) -> Mechanism:
+        """Sample-level DP against the server: per round a client takes part in, its local steps, each the
+        subsampled Gaussian mechanism with q = batch_size / local set size (Poisson approximation of
+        fedsim's shuffled fixed-size batches), recomputed by the server from the config and the round's
+        recipe exactly as the client's own accountant counts them."""
+        desc = f"DP-SGD: per-sample clipping to {self.clip_norm:g}, noise multiplier {self.noise_multiplier:g}"
+        if self.noise_multiplier == 0:
+            return Mechanism(key, desc, "sample", reason="no noise (noise_multiplier = 0): clipping alone bounds "
+                             "nothing an observer cannot see")
+        z, sizes = self.noise_multiplier, []
+
+        def events(rnd: int, client: int, conf: Mapping[str, Any]) -> list[tuple[float, float, int]]:
+            if not sizes:
+                sizes.extend(len(p) for p in partitions_for(cfg))
+            n = sizes[client]
+            recipe = Recipe.from_mapping({**cfg["train"], **recipe_of(conf)})
+            steps = sum(1 for _ in iter_batches(int(cfg["seed"]), rnd, client, n, recipe))
+            return [(z, min(recipe.batch_size, n) / n, steps)]
+
+        return Mechanism(key, desc, "sample", AGAINST_SERVER, self.delta, per_participation=events,
+                         notes=["Poisson subsampling assumed (q = batch size / local set size); fedsim draws "
+                                "shuffled fixed-size batches, the usual approximation"])
 
     def metrics(self) -> dict[str, float]:
         total_steps = sum(n for _, _, n in self._acct.history) if self._acct else 0

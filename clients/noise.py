@@ -12,11 +12,13 @@ the state-dict-ordered update are parameters, floating buffers or integer buffer
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from fedsim.defense import Defense, DefenseContext, register
+from fedsim.privacy import AGAINST_SERVER, Mechanism
 
 # --------------------------------------------------------------------------- shared helpers
 
@@ -63,6 +65,13 @@ class UpdateDefense(Defense):
         kinds = getattr(self, "_kinds", None) or {}
         allowed = {PARAM, BUFFER} if self.include_buffers else {PARAM}
         return [kinds.get(k, guess_kind(k)) in allowed for k in names]
+
+
+def _has_float_buffers(cfg: Mapping[str, Any]) -> bool:
+    from fedsim.factories import model_for
+
+    with torch.random.fork_rng(devices=[]):
+        return BUFFER in entry_kinds(model_for(cfg)).values()
 
 
 def check_fraction(name: str, value: float, *, upper_open: bool = False) -> float:
@@ -133,13 +142,40 @@ class GaussianNoise(_AdditiveNoise):
     name = "gaussian-noise"
 
     def __init__(self, sigma: float | None = None, variance: float | None = None,
-                 include_buffers: bool = False):
+                 include_buffers: bool = False, delta: float = 1e-5):
         key, value = _one_of("sigma (standard deviation)", sigma, variance)
         self.std = value if key == "sigma" else math.sqrt(value)
         self.include_buffers = bool(include_buffers)
+        self.delta = float(delta)
+        if not 0 < self.delta < 1:
+            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
 
     def _sample(self, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
         return torch.randn(shape, generator=gen) * self.std
+
+    def privacy(self, cfg: Mapping[str, Any], key: str, previous: Defense | None) -> Mechanism:
+        """Client-level local DP when ``clip-update`` runs right before it on the same entries (the Gaussian
+        mechanism with noise multiplier sigma / clip_norm, once per round the client takes part in, reported
+        at ``delta``); otherwise no formal guarantee."""
+        from clients.clipping import ClipUpdate
+
+        desc = f"gaussian-noise: std {self.std:.3g} per entry"
+        reason = None
+        if not isinstance(previous, ClipUpdate):
+            reason = ("no clipping bound on the update it perturbs: put clip-update directly before it (the noise "
+                      "multiplier is then sigma / clip_norm)")
+        elif previous.include_buffers != self.include_buffers:
+            reason = "clip-update and gaussian-noise act on different entries (include_buffers differs)"
+        elif not self.include_buffers and _has_float_buffers(cfg):
+            reason = ("the model's floating buffers (BatchNorm running statistics) are sent without clipping or "
+                      "noise: set include_buffers = true on both")
+        elif self.std == 0:
+            reason = "no noise (sigma = 0)"
+        if reason is not None:
+            return Mechanism(key, desc, reason=reason)
+        z = self.std / previous.clip_norm
+        return Mechanism(key, f"{desc} after clip-update to {previous.clip_norm:g} (noise multiplier {z:.4g})",
+                         "client", AGAINST_SERVER, self.delta, per_participation=lambda r, c, conf: [(z, 1.0, 1)])
 
 
 @register
@@ -157,6 +193,11 @@ class LaplaceNoise(_AdditiveNoise):
         self.scale = value if key == "scale" else math.sqrt(value / 2.0)
         self.std = math.sqrt(2.0) * self.scale
         self.include_buffers = bool(include_buffers)
+
+    def privacy(self, cfg: Mapping[str, Any], key: str, previous: Defense | None) -> Mechanism:
+        return Mechanism(key, f"laplace-noise: scale {self.scale:.3g} per entry", reason=(
+            "the Laplace mechanism needs an L1 bound on the update; no defense gives one (clip-update bounds "
+            "the L2 norm: use gaussian-noise after it)"))
 
     def _sample(self, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
         # the difference of two Exp(1) variables is Laplace(0, 1); 1 - U lies in (0, 1], so log is finite

@@ -1,18 +1,27 @@
 """The Paillier channel, client half (see strategies/paillier.py for the protocol).
 
 Every client keeps its X25519 private key and, once delivered, the Paillier private key in Flower's
-``Context.state`` (record ``fedsim.protocol.STATE_CHANNEL``); neither is ever put in a reply. The
-encoding settings come from the server's messages (``CODEC``), so they are declared once, on the
-server half.
+``Context.state`` (record ``fedsim.protocol.STATE_CHANNEL``, ``fedsim.keydelivery``); neither is ever put
+in a reply. The encoding settings come from the server's messages (``CODEC``), so they are declared once,
+on the server half.
 
-Encryption uses obfuscators precomputed off the critical path: each client process keeps one
-:class:`fedsim.crypto.paillier.ObfuscatorPool` per public key, refilled in a background thread after
-each encryption (and started as soon as the key arrives), so the online cost of an encryption is one
-multiplication mod n^2 per ciphertext. The reply reports the online time, the values the quantizer
-clipped and the obfuscators that had to be computed inline.
+Update encryption (the default): the client adds the decrypted aggregate updates to the global model it
+last trained on (``STATE_CHANNEL_MODEL``, as the thesis' clients keep ``omega_{r-1}``; Alg. 3 line 10),
+trains, and encrypts ``trained - global``. With the automatic clip it first replies with the update's
+range exponent and keeps the update (``STATE_CHANNEL_PENDING``) until the server announces the round's
+common clip (setup stage ``encrypt``).
+
+Costs: obfuscators come from a per-process :class:`fedsim.crypto.paillier.ObfuscatorPool` per public key
+(short-exponent, CRT), refilled in a background thread; decryption runs ``phe``'s CRT decryption in as
+many threads as torch may use, and a process decrypts a given aggregate once: the clients it serves hold
+the same key and would compute the same integers, so they share the result (in a deployment every client
+decrypts once per round, in parallel; a simulation that ran N clients' decryptions one after another would
+charge the round N times that).
 """
 from __future__ import annotations
 
+import collections
+import hashlib
 import json
 import threading
 import time
@@ -20,56 +29,47 @@ from functools import lru_cache
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
-from flwr.app import ConfigRecord, Context, Message, RecordDict
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from fedsim.components import CLIENT_CHANNELS
-from fedsim.crypto.keyexchange import open_secret, seal_secret, x25519_keypair
 from fedsim.crypto.paillier import (
     ObfuscatorPool,
     PaillierCodec,
     generate_keypair,
     key_fingerprint,
+    parse_header,
     private_key_from_bytes,
     private_key_to_bytes,
     public_key_from_bytes,
     public_key_to_bytes,
 )
-from fedsim.crypto.quantize import Quantizer
+from fedsim.crypto.quantize import Quantizer, range_exponent
 from fedsim.factories import model_for
+from fedsim.keydelivery import SealedKeyClient
 from fedsim.protocol import (
     ARRAYS,
+    BASE,
     CHANNEL,
+    CLIP,
     CLIPPED,
     CODEC,
-    CONFIG,
     ENCRYPT_SECONDS,
-    FINGERPRINT,
-    HOLDER,
-    HOLDER_KEY,
     INLINE_OBFUSCATORS,
-    NODE_PARTITION_ID,
     PAYLOAD,
-    PEER_KEYS,
-    PEERS,
-    PUBLIC_KEY,
-    RUN_TAG,
-    SEALED,
-    STAGE,
-    STATE_CHANNEL,
-    X25519_PUBLIC,
+    PAYLOADS,
+    RANGE_EXPONENT,
+    ROUNDS,
+    STATE_CHANNEL_MODEL,
+    STATE_CHANNEL_PENDING,
     decode_arrays,
 )
 from fedsim.seams import ClientChannel
 
-_X25519 = "x25519-private"
 _PAILLIER = "paillier-private"
 _PUBLIC = "paillier-public"
-
-
-def _who(partition: int) -> str:
-    return f"client-{int(partition)}"
+_ROUND = "__round__"  # the round of the global model kept in STATE_CHANNEL_MODEL
+_UPDATE = "update"
 
 
 class _Pools:
@@ -105,104 +105,182 @@ class _Pools:
 POOLS = _Pools()
 
 
+class _Decrypted:
+    """The decoded weighted means of the payloads this process decrypted lately, by payload digest and
+    settings (see the module docstring)."""
+
+    def __init__(self, size: int = 32) -> None:
+        self.items: collections.OrderedDict[tuple[bytes, str], np.ndarray] = collections.OrderedDict()
+        self.size = size
+        self.lock = threading.Lock()
+        self.hits = 0
+
+    def get(self, codec: PaillierCodec, payload: bytes, num_values: int, settings: str) -> np.ndarray:
+        key = (hashlib.sha256(payload).digest(), f"{settings}|{num_values}")
+        with self.lock:
+            if key in self.items:
+                self.items.move_to_end(key)
+                self.hits += 1
+                return self.items[key]
+        values = codec.decode(payload, [(num_values,)])[0]
+        values.setflags(write=False)
+        with self.lock:
+            self.items[key] = values
+            while len(self.items) > self.size:
+                self.items.popitem(last=False)
+        return values
+
+
+DECRYPTED = _Decrypted()
+
+
 @lru_cache(maxsize=8)
 def _settings(codec: str) -> dict[str, Any]:
     return json.loads(codec)
 
 
+def _floating(template: Mapping[str, np.ndarray]) -> list[str]:
+    return [k for k, v in template.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
+
+
 @CLIENT_CHANNELS.register
-class PaillierClientChannel(ClientChannel):
+class PaillierClientChannel(SealedKeyClient, ClientChannel):
     name = "paillier"
+    secret_field, public_field = _PAILLIER, _PUBLIC
 
-    # ---- state ---------------------------------------------------------------------------------------
-    @staticmethod
-    def _state(context: Context) -> dict[str, bytes]:
-        return {k: bytes(v) for k, v in context.state[STATE_CHANNEL].items()} if STATE_CHANNEL in context.state else {}
+    # ---- keys (fedsim.keydelivery) ---------------------------------------------------------------------
+    def make_keys(self, settings: Mapping[str, Any]) -> tuple[bytes, bytes]:
+        public, private = generate_keypair(int(settings["key_bits"]))
+        return public_key_to_bytes(public), private_key_to_bytes(private)
 
-    @staticmethod
-    def _save(context: Context, **items: bytes) -> None:
-        rec = context.state[STATE_CHANNEL] if STATE_CHANNEL in context.state else ConfigRecord()
-        for k, v in items.items():
-            rec[k] = v
-        context.state[STATE_CHANNEL] = rec
+    def check_keys(self, public: bytes, secret: bytes) -> None:
+        private_key_from_bytes(secret, public_key_from_bytes(public))  # checks p * q = n
 
-    def _codec(self, channel: Mapping[str, Any], context: Context, need_private: bool) -> PaillierCodec:
-        s = _settings(str(channel[CODEC]))
-        public = public_key_from_bytes(bytes(channel[PUBLIC_KEY]))
-        state = self._state(context)
-        private = private_key_from_bytes(state[_PAILLIER], public) if _PAILLIER in state else None
-        if need_private and private is None:
-            raise RuntimeError("Paillier channel: this client holds no private key (key delivery failed)")
-        return PaillierCodec(public, Quantizer(bits=s["bits"], clip=s["clip"], overflow=s["overflow"]),
-                             s["max_total_weight"], private_key=private, packed=s["packed"], slots=s["slots"],
-                             pool=POOLS.get(public, private) if private is not None else None)
+    def fingerprint(self, public: bytes) -> bytes:
+        return key_fingerprint(public_key_from_bytes(public))
 
-    # ---- setup exchange ------------------------------------------------------------------------------------
-    def handshake(self, msg: Message, context: Context) -> RecordDict:
-        stage = str(msg.content[CONFIG][STAGE])
-        ch = msg.content[CHANNEL]
-        me = int(context.node_config[NODE_PARTITION_ID])
-        run = str(ch[RUN_TAG])
-        if stage == "hello":
-            private, public = x25519_keypair()
-            raw = private.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
-            self._save(context, **{_X25519: raw})
-            return RecordDict({CHANNEL: ConfigRecord({X25519_PUBLIC: public})})
-        own = X25519PrivateKey.from_private_bytes(self._state(context)[_X25519])
-        if stage == "keygen":
-            s = _settings(str(ch[CODEC]))
-            public, private = generate_keypair(int(s["key_bits"]))
-            secret = private_key_to_bytes(private)
-            sealed = [seal_secret(secret, own, bytes(k), run_id=run, sender=_who(me), recipient=_who(p))
-                      for p, k in zip(ch[PEERS], ch[PEER_KEYS])]
-            self._save(context, **{_PAILLIER: secret, _PUBLIC: public_key_to_bytes(public)})
-            self._prefill(public, private, s)
-            return RecordDict({CHANNEL: ConfigRecord({PUBLIC_KEY: public_key_to_bytes(public), SEALED: sealed})})
-        if stage == "deliver":
-            holder = int(ch[HOLDER])
-            secret = open_secret(bytes(ch[SEALED]), own, bytes(ch[HOLDER_KEY]), run_id=run, sender=_who(holder),
-                                 recipient=_who(me))
-            public = public_key_from_bytes(bytes(ch[PUBLIC_KEY]))
-            private = private_key_from_bytes(secret, public)  # checks that it belongs to the public key
-            self._save(context, **{_PAILLIER: secret, _PUBLIC: public_key_to_bytes(public)})
-            self._prefill(public, private, _settings(str(ch[CODEC])))
-            return RecordDict({CHANNEL: ConfigRecord({FINGERPRINT: key_fingerprint(public)})})
-        raise ValueError(f"Paillier channel: unknown setup stage {stage!r}")
-
-    def _prefill(self, public: Any, private: Any, settings: Mapping[str, Any]) -> None:
+    def keys_made(self, public: bytes, secret: bytes, settings: Mapping[str, Any]) -> None:
         """Start precomputing the first round's obfuscators as soon as the key is known."""
+        pk = public_key_from_bytes(public)
+        sk = private_key_from_bytes(secret, pk)
         values = sum(int(v.numel()) for v in model_for(self.cfg).state_dict().values() if v.is_floating_point())
-        codec = PaillierCodec(public, Quantizer(bits=settings["bits"], clip=settings["clip"]),
-                              settings["max_total_weight"], packed=settings["packed"], slots=settings["slots"])
-        POOLS.refill(POOLS.get(public, private), codec.num_ciphertexts(values))
+        POOLS.refill(POOLS.get(pk, sk), self._codec(settings, pk, None, 1.0).num_ciphertexts(values))
 
-    # ---- rounds ----------------------------------------------------------------------------------------------
+    def _keys(self, context: Context, need_private: bool) -> tuple[Any, Any]:
+        state = self.channel_state(context)
+        if _PUBLIC not in state or (need_private and _PAILLIER not in state):
+            raise RuntimeError("Paillier channel: this client holds no key (key delivery failed)")
+        public = public_key_from_bytes(state[_PUBLIC])
+        private = private_key_from_bytes(state[_PAILLIER], public) if _PAILLIER in state else None
+        return public, private
+
+    @staticmethod
+    def _codec(s: Mapping[str, Any], public: Any, private: Any, clip: float) -> PaillierCodec:
+        return PaillierCodec(public, Quantizer(bits=s["bits"], clip=clip, overflow=s["overflow"]),
+                             s["max_total_weight"], private_key=private, packed=s["packed"], slots=s["slots"],
+                             pool=POOLS.get(public, private) if private is not None else None,
+                             decrypt_threads=max(1, torch.get_num_threads()))
+
+    # ---- the global model --------------------------------------------------------------------------------
     def decode(self, content: RecordDict, context: Context, template: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         ch = content[CHANNEL]
         self._codec_text = str(ch[CODEC])  # the settings encode() will use for the reply
-        if PAYLOAD not in ch:  # round 1: the public initial model
-            return decode_arrays(content[ARRAYS])
-        floating = [k for k, v in template.items() if np.issubdtype(v.dtype, np.floating)]
-        values = self._codec(ch, context, need_private=True).decode(bytes(ch[PAYLOAD]),
-                                                                    [template[k].shape for k in floating])
-        dec = dict(zip(floating, values))
-        # integer buffers (BatchNorm's num_batches_tracked) are not encrypted: they restart at zero
-        return [dec[k].astype(v.dtype) if k in dec else np.zeros_like(v) for k, v in template.items()]
+        s = _settings(self._codec_text)
+        floating = _floating(template)
+        if PAYLOADS not in ch:  # round 1: the public initial model
+            model = dict(zip(template, decode_arrays(content[ARRAYS])))
+            self._decoded = (0, model)
+            return list(model.values())
+        payloads, rounds, base = [bytes(p) for p in ch[PAYLOADS]], [int(r) for r in ch[ROUNDS]], int(ch[BASE])
+        public, private = self._keys(context, need_private=True)
+        num = sum(int(np.asarray(template[k]).size) for k in floating)
 
+        def mean(payload: bytes) -> np.ndarray:
+            codec = self._codec(s, public, private, parse_header(payload).clip)
+            return DECRYPTED.get(codec, payload, num, self._codec_text)
+
+        if base < 0:  # the whole model was encrypted
+            model = self._split(mean(payloads[0]), template, floating, None)
+        else:
+            model, start = self._start(content, context, template, base, rounds)
+            for r, p in zip(rounds, payloads):
+                if r > start:  # the updates this client has not added yet, in order
+                    model = self._split(mean(p), template, floating, model)
+        self._decoded = (max(rounds), model)
+        return [model[k] for k in template]
+
+    def _start(self, content: RecordDict, context: Context, template: Mapping[str, np.ndarray], base: int,
+               rounds: list[int]) -> tuple[dict[str, np.ndarray], int]:
+        """The model the updates go on: the one this client kept (if the message's updates continue it),
+        else the initial model the message carries."""
+        if STATE_CHANNEL_MODEL in context.state:
+            kept = {k: np.array(v.numpy()) for k, v in context.state[STATE_CHANNEL_MODEL].items()}
+            held = int(kept.pop(_ROUND)[0])
+            if (held == base or held in rounds) and list(kept) == list(template):
+                return kept, held
+        if base == 0 and ARRAYS in content:
+            return dict(zip(template, decode_arrays(content[ARRAYS]))), 0
+        raise RuntimeError(f"Paillier channel: the message continues the global model of round {base}, which "
+                           "this client does not hold (its state was lost?)")
+
+    @staticmethod
+    def _split(flat: np.ndarray, template: Mapping[str, np.ndarray], floating: list[str],
+               onto: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        """Flat decoded values as the template's floating entries, added to ``onto`` (in the entries' dtype,
+        one rounding per round, as every client does) or as they are; integer buffers restart at zero."""
+        out, i = {}, 0
+        for k, v in template.items():
+            v = np.asarray(v)
+            if k not in floating:
+                out[k] = np.zeros_like(v) if onto is None else onto[k]
+                continue
+            part = flat[i:i + v.size].reshape(v.shape)
+            i += v.size
+            out[k] = (part if onto is None else onto[k].astype(np.float64) + part).astype(v.dtype)
+        return out
+
+    # ---- the client's contribution ----------------------------------------------------------------------
     def encode(self, arrays: Sequence[np.ndarray], param_names: Sequence[str], context: Context) -> dict[str, Any]:
-        state = self._state(context)
-        if _PUBLIC not in state:
-            raise RuntimeError("Paillier channel: this client holds no key (key delivery failed)")
-        channel = {CODEC: self._codec_text, PUBLIC_KEY: state[_PUBLIC]}
-        codec = self._codec(channel, context, need_private=False)
-        floating = [a for a in arrays if np.issubdtype(np.asarray(a).dtype, np.floating)]
+        s = _settings(self._codec_text)
+        arrays = [np.asarray(a) for a in arrays]
+        floating = [i for i, a in enumerate(arrays) if np.issubdtype(a.dtype, np.floating)]
+        if s.get("encrypt", "model") == "model":
+            return self._encrypt(context, s, [arrays[i] for i in floating], float(s["clip"]))
+        held, model = self._decoded
+        names = list(model)
+        rec = ArrayRecord(collections.OrderedDict(
+            [(k, Array(np.ascontiguousarray(model[k]))) for k in names] +
+            [(_ROUND, Array(np.array([held], dtype=np.int64)))]))
+        context.state[STATE_CHANNEL_MODEL] = rec  # the global model this client trained on (Alg. 3 line 10)
+        update = np.concatenate([arrays[i].astype(np.float64).ravel() - model[names[i]].astype(np.float64).ravel()
+                                 for i in floating]) if floating else np.zeros(0)
+        if s["clip"] is not None:
+            return self._encrypt(context, s, [update], float(s["clip"]))
+        context.state[STATE_CHANNEL_PENDING] = ArrayRecord({_UPDATE: Array(update)})
+        return {CHANNEL: ConfigRecord({RANGE_EXPONENT: range_exponent(update)})}
+
+    def other_stage(self, stage: str, msg: Message, context: Context) -> RecordDict:
+        """``encrypt``: the round's common clip is known; encrypt the update kept since training."""
+        if stage != "encrypt":
+            return super().other_stage(stage, msg, context)
+        if STATE_CHANNEL_PENDING not in context.state:
+            raise RuntimeError("Paillier channel: asked to encrypt, but this client keeps no trained update")
+        update = context.state[STATE_CHANNEL_PENDING][_UPDATE].numpy()
+        del context.state[STATE_CHANNEL_PENDING]
+        ch = msg.content[CHANNEL]
+        return RecordDict(self._encrypt(context, _settings(str(ch[CODEC])), [update], float(ch[CLIP])))
+
+    def _encrypt(self, context: Context, s: Mapping[str, Any], arrays: Sequence[np.ndarray],
+                 clip: float) -> dict[str, Any]:
+        public, private = self._keys(context, need_private=False)
+        codec = self._codec(s, public, private, clip)
+        num = sum(int(np.asarray(a).size) for a in arrays)
         inline0 = codec.pool.inline if codec.pool is not None else 0
         t0 = time.perf_counter()
-        payload = codec.encode(floating)
+        payload = codec.encode(arrays)
         seconds = time.perf_counter() - t0
-        inline = (codec.pool.inline - inline0) if codec.pool is not None else codec.num_ciphertexts(
-            sum(int(np.asarray(a).size) for a in floating))
+        inline = (codec.pool.inline - inline0) if codec.pool is not None else codec.num_ciphertexts(num)
         if codec.pool is not None:
-            POOLS.refill(codec.pool, codec.num_ciphertexts(sum(int(np.asarray(a).size) for a in floating)))
+            POOLS.refill(codec.pool, codec.num_ciphertexts(num))
         return {CHANNEL: ConfigRecord({PAYLOAD: payload, ENCRYPT_SECONDS: seconds, CLIPPED: codec.last_clipped,
                                        INLINE_OBFUSCATORS: inline})}

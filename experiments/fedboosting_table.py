@@ -24,7 +24,7 @@ from fedsim.components import FIGURES
 SWEEP = Path(__file__).with_name("fedboosting.toml")
 FIGURE = "accuracy_curves.png"
 ROWS = (("FedAvg", "N/A"), ("FedAvg", "HE"), ("FedBoosting", "N/A"), ("FedBoosting", "DP"),
-        ("FedBoosting", "HE+DP"))
+        ("FedBoosting", "HE+DP"), ("FedAvg", "CKKS"), ("FedBoosting", "CKKS+DP"))  # HE: Paillier 2048; CKKS: N 8192
 LAST = 5
 
 
@@ -86,7 +86,7 @@ def curves(runs: dict[tuple[str, str, str], list[dict[str, Any]]], path: Path) -
 
     splits = list(dict.fromkeys(k[0] for k in runs))
     fig, axes = plt.subplots(1, len(splits), figsize=(6 * len(splits), 4.2), squeeze=False)
-    style = {"N/A": "-", "HE": "--", "DP": ":", "HE+DP": "--"}
+    style = {"N/A": "-", "HE": "--", "DP": ":", "HE+DP": "--", "CKKS": "-.", "CKKS+DP": "-."}
     colour = {"FedAvg": "tab:blue", "FedBoosting": "tab:red"}
     for ax, s in zip(axes[0], splits):
         for (split, method, prot), rows in runs.items():
@@ -94,7 +94,7 @@ def curves(runs: dict[tuple[str, str, str], list[dict[str, Any]]], path: Path) -
                 continue
             ax.plot([r["round"] for r in rows], [r["accuracy"] for r in rows], style.get(prot, "-"),
                     color=colour.get(method, "k"), alpha=0.55 if prot == "DP" else 0.9,
-                    marker="." if prot == "HE+DP" else None, label=f"{method} {prot}")
+                    marker="." if prot in ("HE+DP", "CKKS+DP") else None, label=f"{method} {prot}")
         ax.set_title(f"split {s}")
         ax.set_xlabel("round")
         ax.set_ylabel("test accuracy")

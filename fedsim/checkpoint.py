@@ -34,7 +34,8 @@ import numpy as np
 
 CHECKPOINT = "checkpoint.npz"
 CLIENT_STATE = "client-state"
-FORMAT = 1
+METRICS = "metrics.jsonl"
+FORMAT = 2  # 2: the checkpoint records its metrics.jsonl prefix and a digest of every client-state file
 
 # config keys that do not change a run's results: a run may be resumed with other values
 VOLATILE_KEYS = ("simulation.backend", "simulation.num_cpus", "simulation.num_gpus", "simulation.ray_address",
@@ -148,6 +149,12 @@ class Checkpoint:
     failures: list[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the run up to this checkpoint (all sessions)
     resumed: list[int] = field(default_factory=list)  # rounds earlier sessions resumed from
+    # metrics.jsonl as it was when the checkpoint was written: its length in bytes (rows 0..round) and their
+    # SHA-256; and each client-state file the checkpoint stands for (name -> SHA-256)
+    metrics_bytes: int = 0
+    metrics_digest: str = ""
+    client_state: dict[str, str] = field(default_factory=dict)
+    client_state_dropped: list[int] = field(default_factory=list)  # rounds resumed without client state
 
 
 def write_checkpoint(path: str | Path, ckpt: Checkpoint) -> None:
@@ -164,7 +171,9 @@ def write_checkpoint(path: str | Path, ckpt: Checkpoint) -> None:
     meta = {"format": FORMAT, "round": int(ckpt.round), "identity": ckpt.identity,
             "components": pack(ckpt.components, arrays), "rng": pack(ckpt.rng, arrays),
             "failures": failures, "failure_reasons": list(reasons), "seconds": float(ckpt.seconds),
-            "resumed": list(ckpt.resumed), "global": len(ckpt.arrays)}
+            "resumed": list(ckpt.resumed), "global": len(ckpt.arrays),
+            "metrics_bytes": int(ckpt.metrics_bytes), "metrics_digest": ckpt.metrics_digest,
+            "client_state": dict(ckpt.client_state), "client_state_dropped": list(ckpt.client_state_dropped)}
     for i, a in enumerate(ckpt.arrays):
         arrays[f"global.{i}"] = np.ascontiguousarray(a)
     arrays["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
@@ -185,27 +194,161 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
         reasons = meta.get("failure_reasons", [])
         failures = [{**f, "reason": reasons[f["reason"]]} if reasons and isinstance(f.get("reason"), int) else f
                     for f in meta.get("failures", [])]
-        return Checkpoint(round=int(meta["round"]), identity=str(meta["identity"]), arrays=glob,
+        ckpt = Checkpoint(round=int(meta["round"]), identity=str(meta["identity"]), arrays=glob,
                           components=unpack(meta["components"], arrays), rng=unpack(meta["rng"], arrays),
                           failures=failures, seconds=float(meta.get("seconds", 0.0)),
-                          resumed=[int(r) for r in meta.get("resumed", [])])
+                          resumed=[int(r) for r in meta.get("resumed", [])],
+                          metrics_bytes=int(meta["metrics_bytes"]), metrics_digest=str(meta["metrics_digest"]),
+                          client_state={str(k): str(v) for k, v in meta["client_state"].items()},
+                          client_state_dropped=[int(r) for r in meta.get("client_state_dropped", [])])
     except CheckpointError:
         raise
     except Exception as exc:  # noqa: BLE001 - OSError, zipfile.BadZipFile, bad JSON, missing keys: name the file
         raise CheckpointError(f"checkpoint {p} cannot be read ({type(exc).__name__}: {exc})") from exc
+    for i, a in enumerate(ckpt.arrays):
+        if a.dtype.kind in "fc" and not np.isfinite(a).all():
+            raise CheckpointError(f"checkpoint {p} holds a non-finite global model (NaN or infinity in entry {i}): "
+                                  "it cannot be resumed; use --overwrite to start the run again")
+    return ckpt
+
+
+# ============================================================================ what a checkpoint stands for
+def file_digest(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def metrics_prefix(run_dir: str | Path) -> tuple[int, str]:
+    """(bytes, SHA-256) of ``metrics.jsonl`` as it is now (the rows a checkpoint written now stands for)."""
+    path = Path(run_dir) / METRICS
+    data = path.read_bytes() if path.exists() else b""
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+class DigestCache:
+    """SHA-256 of client-state files, each computed once (a file is written once, under a new name per
+    round): what the server records in every checkpoint costs one pass over the files each round wrote."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, int, int], str] = {}
+
+    def digests(self, folder: str | Path, upto: int) -> dict[str, str]:
+        """name -> SHA-256 of each partition's newest mirrored state of a round ``<= upto``."""
+        best = newest_client_states(folder, upto)
+        out = {}
+        for p, r in sorted(best.items()):
+            path = mirror_file(folder, p, r)
+            try:
+                st = path.stat()
+                key = (path.name, st.st_size, st.st_mtime_ns)
+                if key not in self._known:
+                    self._known[key] = file_digest(path)
+            except FileNotFoundError:  # gone since it was listed: not part of this checkpoint
+                continue
+            out[path.name] = self._known[key]
+        return out
+
+
+def verify_resume(run_dir: str | Path, ckpt: Checkpoint, without_client_state: bool = False) -> None:
+    """Refuse (:class:`CheckpointError`, naming the file) a checkpoint that does not fit its run folder:
+
+    * ``metrics.jsonl`` must begin with exactly the rows the checkpoint was written after (same bytes), and
+      hold at most one more row (the row of a round that was being written when the run died): a
+      checkpoint edited to, or replaced by, an earlier round is refused;
+    * every client-state file the checkpoint stands for must be there, with the same SHA-256: a missing
+      or damaged file would make the resumed run differ from the uninterrupted one. With
+      ``without_client_state`` the client state is not checked (the resumed run drops all of it)."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / METRICS
+    data = metrics.read_bytes() if metrics.exists() else b""
+    head = data[:ckpt.metrics_bytes]
+    if len(head) < ckpt.metrics_bytes or hashlib.sha256(head).hexdigest() != ckpt.metrics_digest:
+        raise CheckpointError(f"{metrics} does not begin with the rows 0..{ckpt.round} the checkpoint "
+                              f"{run_dir / CHECKPOINT} was written after (edited, truncated or from another "
+                              "run): resuming would not continue this run; use --overwrite to start it again")
+    try:
+        rounds = [json.loads(ln).get("round") for ln in head.splitlines() if ln.strip()]
+    except (ValueError, AttributeError):
+        rounds = None
+    if rounds != list(range(ckpt.round + 1)):
+        raise CheckpointError(f"the checkpoint {run_dir / CHECKPOINT} says round {ckpt.round}, but the rows of "
+                              f"{metrics} it was written after are rounds {_span(rounds)} (edited?): resuming would "
+                              "not continue this run; use --overwrite to start it again")
+    later = [ln for ln in data[ckpt.metrics_bytes:].splitlines() if ln.strip()]
+    if len(later) > 1:
+        raise CheckpointError(f"{metrics} holds {len(later)} rows after round {ckpt.round} of the checkpoint "
+                              f"{run_dir / CHECKPOINT}: the checkpoint is older than the run (edited or replaced); "
+                              "use --overwrite to start the run again")
+    for name in ckpt.client_state:
+        m = _MIRROR_FILE.match(name)
+        if m is None or int(m.group(2)) > ckpt.round:
+            raise CheckpointError(f"the checkpoint {run_dir / CHECKPOINT} of round {ckpt.round} records client "
+                                  f"state {name!r}, not a state of round <= {ckpt.round} (edited?); use --overwrite "
+                                  "to start the run again")
+    if without_client_state:
+        return
+    folder = run_dir / CLIENT_STATE
+    flag = "restore it, or resume with --resume-without-client-state (every client starts without its state: " \
+           "the run is no longer exact), or --overwrite to start again"
+    for name, digest in sorted(ckpt.client_state.items()):
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"client state {path} (recorded in the checkpoint of round {ckpt.round}) is "
+                                  f"missing: the resumed run would differ; {flag}")
+        if file_digest(path) != digest:
+            raise CheckpointError(f"client state {path} is damaged (its SHA-256 differs from the checkpoint's): "
+                                  f"the resumed run would differ; {flag}")
+
+
+def _span(rounds: list[Any] | None) -> str:
+    if not rounds:
+        return "(none)"
+    return f"{rounds[0]}..{rounds[-1]}" if all(isinstance(r, int) for r in rounds) else str(rounds)[:60]
+
+
+def keep_client_states(folder: str | Path, names: Mapping[str, str] | Sequence[str]) -> None:
+    """Delete every mirrored client-state file in ``folder`` but ``names`` (the ones a checkpoint stands for)."""
+    for _, _, path in client_state_files(folder):
+        if path.name not in names:
+            path.unlink(missing_ok=True)
+
+
+_TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # fedsim.reports.atomic_write_bytes' temporary files
+
+
+def remove_temp_files(run_dir: str | Path) -> list[str]:
+    """Delete temporary files an atomic write left behind when its process was killed (in the folder and
+    its client-state folder); only call it while holding the folder's lock. Returns their names."""
+    gone = []
+    for folder in (Path(run_dir), Path(run_dir) / CLIENT_STATE):
+        try:
+            entries = list(os.scandir(folder))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for e in entries:
+            if _TEMP.match(e.name) and e.is_file(follow_symlinks=False):
+                Path(e.path).unlink(missing_ok=True)
+                gone.append(e.name)
+    return gone
 
 
 # ============================================================================ what can be checkpointed
 def resume_blocker(channel: Any, rule: Any, transforms: Sequence[Any], observers: Sequence[Any]) -> str | None:
     """Why a run with these components cannot be checkpointed and resumed exactly, or None if it can.
 
-    The global model must be readable by the server (the channel provides the plaintext aggregate), a
+    The global model must be readable by the server (the channel provides the plaintext aggregate) or
+    the channel must save it in its own form (``checkpoint_arrays``, e.g. ciphertexts), a
     channel with a setup exchange must restore its state (``load_state``), and every component and
     observer must report its state (``state()`` returning a dict; an observer's default is None)."""
     from fedsim.seams import PLAINTEXT_AGGREGATE, ServerChannel
 
-    if PLAINTEXT_AGGREGATE not in type(channel).provides:
-        return f"channel {channel.name!r} keeps the global model from the server (no plaintext to checkpoint)"
+    if PLAINTEXT_AGGREGATE not in type(channel).provides and \
+            type(channel).checkpoint_arrays is ServerChannel.checkpoint_arrays:
+        return (f"channel {channel.name!r} keeps the global model from the server and cannot save it "
+                "(no checkpoint_arrays())")
     if type(channel).handshake is not ServerChannel.handshake and \
             type(channel).load_state is ServerChannel.load_state:
         return f"channel {channel.name!r} has a setup exchange but no load_state() to restore it"
@@ -305,15 +448,3 @@ def newest_client_states(folder: str | Path, upto: int) -> dict[int, int]:
         if r <= upto and r > best.get(p, -1):
             best[p] = r
     return best
-
-
-def prune_client_states(folder: str | Path, upto: int) -> None:
-    """Keep, per partition, only the newest mirrored state of a round ``<= upto``; delete files of
-    rounds after ``upto`` (left by an interrupted round) and older ones (superseded)."""
-    best = newest_client_states(folder, upto)
-    for p, r, path in client_state_files(folder):
-        if r != best.get(p):
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass

@@ -22,6 +22,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from fedsim.privacy_utility import plot_privacy_utility, privacy_columns
 from fedsim.reports import md_table, read_jsonl
 
 ID_COLUMNS = ("variant", "run", "seed", "seeds", "runs", "n")
@@ -55,9 +56,10 @@ def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, An
     eps = [v for k, v in last.items() if k.endswith(".epsilon") and v is not None]
     if eps:  # DP accounting reported by the clients' defenses (example-weighted mean over the clients)
         row["epsilon"] = max(eps)
+    row.update(privacy_columns(summary))  # the run's privacy ledger, when it has one (fedsim.privacy_utility)
     # leakage entries of observers (the curious server's "leakage", seed 002's curious client's
     # "client_leakage"); an entry's "columns" names the keys to show (default: the curious server's)
-    for leak in [*summary.get("leakage", []), *summary.get("client_leakage", [])]:
+    for leak in [*summary.get("leakage", []), *summary.get("client_leakage", []), *summary.get("membership", [])]:
         a = leak["attack"]
         for k in leak.get("columns", ("psnr", "ssim", "label_acc", "success_content")):
             row[f"{a}.{k}"] = leak.get(k)
@@ -263,6 +265,7 @@ def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparis
         rows.append(mean_std_rows(label, per_run))
     out.mkdir(parents=True, exist_ok=True)  # everything is read: nothing below fails on the runs' files
     plot_comparison(groups, rows, out / "comparison.png", title)
+    figures = privacy_figure(rows, out)
     cols = table_columns(rows)
     write_csv(out / "comparison.csv", rows)
     text = [f"# fedsim comparison: {title}\n",
@@ -270,7 +273,7 @@ def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparis
             "the attacked updates; `round_seconds`: median wall time of rounds >= 2. Sweep variants with several "
             "seeds show mean ± sample standard deviation.\n",
             comparison_table(rows, cols, table_formats(cols)),
-            "\n![comparison](comparison.png)\n",
+            "\n![comparison](comparison.png)\n", *figures,
             "Runs: " + ", ".join(f"{label}: " + ", ".join(str(d) for d in dirs) for label, dirs in groups) + "\n"]
     atomic_write_text(out / "comparison.md", "\n".join(text))
     return rows
@@ -291,3 +294,12 @@ def table_formats(cols: Sequence[str]) -> dict[str, str]:
     fmt.update({c: ".2e" for c in cols if c.endswith(".mse")})  # records: errors of 1e-10 are not "0.000"
     fmt["failures"] = ".3g"
     return fmt
+
+
+def privacy_figure(rows: Sequence[Mapping[str, Any]], out: Path) -> list[str]:
+    """``privacy_utility.png`` (:mod:`fedsim.privacy_utility`) when a run reports differential privacy; the
+    report lines that show it."""
+    if not any("dp_mechanisms" in r for r in rows):
+        return []
+    path = plot_privacy_utility(rows, out / "privacy_utility.png")
+    return [f"\n![privacy-utility]({Path(path).name})\n"] if path else []

@@ -62,6 +62,14 @@ SCHEMA: dict[str, Field] = {
     "federation.clients_per_round": Field(int, 0, min=0, help="0 = all clients every round"),
     "federation.round_timeout": Field(NUM, 3600.0, min=1.0, help="seconds a round waits for its replies; "
                                       "clients that have not answered by then are recorded as failed"),
+    "federation.max_examples": Field(int, None, nullable=True, min=1,
+                                     help="the largest example count (num-examples) a client's reply may report; "
+                                     "a reply above it, or below 1, is that client's failure (unset: the "
+                                     "training set's size)"),
+    "federation.max_update_norm": Field(NUM, None, nullable=True, min=0, above_min=True,
+                                        help="robustness: a reply whose update (its model minus the model it was "
+                                        "sent) has a larger L2 norm is that client's failure (unset: no bound; "
+                                        "needs a channel that shows the server each model, e.g. plain)"),
     "data.dataset": Field(str, "fmnist-small", help="a built-in dataset, or your own: a registered name or an "
                           "import reference 'module:function' / 'path/file.py:function' (docs/plugins.md)"),
     "data.params": Field(dict, {}, help="keyword parameters of your own dataset function"),
@@ -576,7 +584,8 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """Validate every component section through its registry and build the components (one mechanism).
 
     Returns ``rule``, ``channel``, ``transforms``, ``defenses``, ``flower_mods``, ``observers`` (the
-    curious server last, when ``[attack]`` is set). Raises :class:`ConfigError` naming the key.
+    curious server last, when ``[attack]`` is set) and ``privacy`` (the :class:`fedsim.privacy.PrivacyLedger`
+    of the mechanisms the rule, the defenses and the mods declare). Raises :class:`ConfigError` naming the key.
     """
     from fedsim.seams import check_compatible
 
@@ -587,8 +596,13 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
     rule = STRATEGIES.build(strategy, "strategy")
     channel = CHANNELS.build(dict(cfg.get("channel") or {"name": "plain"}), "channel")
     transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
-    check_compatible(type(channel), type(rule),
+    check_compatible(type(channel), rule,
                      [(f"transforms[{i}]", type(t)) for i, t in enumerate(transforms)])
+    from fedsim.seams import INDIVIDUAL, capabilities
+
+    if cfg["federation"].get("max_update_norm") is not None and INDIVIDUAL not in capabilities(type(channel).provides):
+        raise ConfigError(f"federation.max_update_norm needs each client's model in plaintext, which channel "
+                          f"{channel.name!r} does not give the server (its own bounds apply: docs/failures.md)")
     for where, component in [("strategy", rule), ("channel", channel),
                              *((f"transforms[{i}]", t) for i, t in enumerate(transforms))]:
         try:
@@ -606,6 +620,25 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
         except ValueError as exc:
             raise ConfigError(f"defenses[{i}] ({d.name}): {exc}") from exc
     mods = FLOWER_MODS.build_list(cfg["client"]["flower_mods"], "client.flower_mods")
+    for i, mod in enumerate(mods):  # a mod may check the rest of the config (e.g. the strategy it belongs to)
+        check = getattr(mod, "validate_config", None)
+        if callable(check):
+            try:
+                check(cfg)
+            except ConfigError:
+                raise
+            except ValueError as exc:
+                entry = cfg["client"]["flower_mods"][i]
+                raise ConfigError(f"client.flower_mods[{i}] ({entry.get('name') if isinstance(entry, Mapping) else entry}): "
+                                  f"{exc}") from exc
+    from fedsim.privacy import build_ledger
+
+    try:
+        privacy = build_ledger(rule, defenses, mods, cfg)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"privacy accounting: {exc}") from exc
     observers = OBSERVERS.build_list(cfg["output"]["observers"], "output.observers", cfg=cfg)
     implied = [e for d in defenses.defenses for e in d.server_observers()]
     observers += OBSERVERS.build_list(implied, "observers implied by the defenses", cfg=cfg)
@@ -614,7 +647,7 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
         if cfg["attack"].get("enabled", True) is not False:
             observers.append(curious)
     return {"rule": rule, "channel": channel, "transforms": transforms, "defenses": defenses,
-            "flower_mods": mods, "observers": observers}
+            "flower_mods": mods, "observers": observers, "privacy": privacy}
 
 
 def dump_toml(cfg: Mapping[str, Any]) -> str:

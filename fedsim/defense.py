@@ -101,6 +101,18 @@ class Defense:
         (server-side compensation uses it)."""
         return None
 
+    def privacy(self, cfg: Mapping[str, Any], key: str, previous: "Defense | None") -> Any:
+        """The differential privacy this defense gives, as a :class:`fedsim.privacy.Mechanism` reported under
+        ``privacy.<key>`` (``previous``: the defense right before it in the pipeline, e.g. the clipping that
+        bounds what a noise defense perturbs), or None when it claims none. Default: a defense that declares
+        noise (:meth:`noise_variance`) gets "no formal guarantee" - noise without a bound on what it hides."""
+        if self.noise_variance() is None:
+            return None
+        from fedsim.privacy import Mechanism
+
+        return Mechanism(key, f"{self.name}: noise of variance {self.noise_variance():.3g} per entry", reason=(
+            f"{self.name} adds noise to an update with no clipping bound (no sensitivity to calibrate it to)"))
+
     def overrides_compute_gradient(self) -> bool:
         return type(self).compute_gradient is not Defense.compute_gradient
 
@@ -141,6 +153,17 @@ class DefensePipeline:
     def noise_variance(self) -> float | None:
         vs = [v for d in self.defenses if (v := d.noise_variance()) is not None]
         return float(sum(vs)) if vs else None
+
+    def privacy(self, cfg: Mapping[str, Any]) -> list[Any]:
+        """The mechanisms the defenses declare (:meth:`Defense.privacy`), keyed like their metrics
+        (``defense.<position>.<name>``)."""
+        out, previous = [], None
+        for i, d in enumerate(self.defenses):
+            m = d.privacy(cfg, f"defense.{i}.{d.name}", previous)
+            if m is not None:
+                out.append(m)
+            previous = d
+        return out
 
 
 class _RoundRunner:

@@ -20,7 +20,9 @@ iteration of a Ctrl-C, also on Ray, without the loop knowing the run.
 
 Either way the server then writes ``summary.json`` with ``status = "interrupted"`` and the last
 completed round, and the runner shuts the federation down. A second signal aborts at once
-(``os._exit``), without a summary.
+(``os._exit``), without a summary - unless it comes within :data:`REPEAT_WINDOW` seconds of the first:
+that is the same stop delivered twice (GNU ``timeout`` signals its child, then the child's whole
+process group; batch schedulers and a terminal's Ctrl-C signal process groups too), and counts as one.
 """
 from __future__ import annotations
 
@@ -30,9 +32,13 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any, Iterator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: seconds after the first stop signal during which another one is the same stop delivered again
+#: (to the process, then to its process group), not a request to abort
+REPEAT_WINDOW = 1.0
 _watched: contextvars.ContextVar["StopSignal | None"] = contextvars.ContextVar("fedsim_stop", default=None)
 
 
@@ -58,6 +64,8 @@ class RunInterrupted(KeyboardInterrupt):
 class StopSignal:
     """A stop request shared by the signal handler, the server loop and the runner."""
 
+    clock = staticmethod(time.monotonic)  # when a signal arrives (tests replace it)
+
     def __init__(self, notice: str = "stopping after the last completed round") -> None:
         self.notice = notice  # what the first signal's line says is happening
         self.signame: str | None = None
@@ -65,6 +73,7 @@ class StopSignal:
         self._shield = 0
         self._pending = False
         self._previous: dict[int, Any] = {}
+        self._first_at = 0.0  # clock() of the first signal
 
     # ---- state -------------------------------------------------------------------------------------
     @property
@@ -112,10 +121,12 @@ class StopSignal:
     # ---- the handler ---------------------------------------------------------------------------------
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
-        if self.signame is not None:  # the second signal: abort now
+        if self.signame is not None:
+            if self.clock() - self._first_at < REPEAT_WINDOW:
+                return  # the first stop again (delivered to the process group too): one stop
             print(f"\nfedsim: {name} again: aborting without a summary", file=sys.stderr, flush=True)
             os._exit(128 + signum)
-        self.signame = name
+        self.signame, self._first_at = name, self.clock()
         print(f"\nfedsim: {name}: {self.notice} (again to abort)",
               file=sys.stderr, flush=True)
         in_server = self.server_thread == threading.get_ident()

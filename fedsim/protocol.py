@@ -87,6 +87,11 @@ FINGERPRINT = "fingerprint"  # a client's confirmation of the public key it hold
 ENCRYPT_SECONDS = "encrypt-seconds"  # online (critical-path) encryption time of one reply
 CLIPPED = "clipped"  # values the quantizer clipped in one reply
 INLINE_OBFUSCATORS = "inline-obfuscators"  # obfuscators computed on the critical path for one reply
+PAYLOADS = "payloads"  # server -> client: the ciphertexts that, decrypted in order, give the global model
+ROUNDS = "rounds"  # the round each of PAYLOADS is the aggregate update of (update encryption)
+BASE = "base"  # the round whose global model PAYLOADS' updates start from (0: the initial model, in ARRAYS)
+RANGE_EXPONENT = "range-exponent"  # train reply (update encryption): e with max|update| <= 2**e; no payload yet
+CLIP = "clip"  # channel setup "encrypt": the round's common clipping range 2**max(e) the clients encrypt at
 
 # ---- EXTRAS array names of seed 002's lossless perturbation (strategies/lossless.py <-> clients/lossless.py)
 LOSSLESS_MODEL = "lossless.model."  # + state-dict name: the perturbed model W^ in float64 (server -> client)
@@ -101,6 +106,8 @@ NODE_NUM_PARTITIONS = "num-partitions"
 # ---- client state (Flower's per-node Context.state; never sent)
 STATE_DEFENSES = "fedsim.defense-state"
 STATE_CHANNEL = "fedsim.channel-state"
+STATE_CHANNEL_MODEL = "fedsim.channel-model"  # the global model this client last trained on (update encryption)
+STATE_CHANNEL_PENDING = "fedsim.channel-pending"  # a trained update waiting for the round's common clip
 STATE_MIRROR_MARK = "fedsim.mirror-mark"  # the client's state was mirrored/restored in this session
 
 # ---- message types

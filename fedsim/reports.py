@@ -44,9 +44,11 @@ def atomic_write_bytes(path: str | Path, data: bytes, durable: bool = False) -> 
                 fh.flush()
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError) and exc.filename is None:  # a failed write names no file: name it
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
         raise
     if durable:
         try:
@@ -81,9 +83,14 @@ def append_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
         return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
+    try:
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+    except OSError as exc:
+        if exc.filename is None:  # a failed write names no file: name it
+            raise type(exc)(exc.errno, exc.strerror, str(path)) from exc
+        raise
 
 
 def read_jsonl(path: str | Path, skip_bad: bool = False) -> list[dict[str, Any]]:

@@ -5,9 +5,12 @@
 
 1. the global model goes through the transforms' ``before_send`` and the channel's ``outgoing``;
 2. the sampled clients (partitions drawn from (seed, round)) get a ``train`` message each;
-3. error replies and unusable payloads become recorded failures (not fatal); every valid reply is
-   shown to the observers (the interception point, before aggregation) through the channel's view;
-4. the rule aggregates (through the channel), the transforms' ``after_aggregate`` run in reverse.
+3. every reply is checked before it is used (:meth:`RoundEngine.check_reply`: the example count, the
+   channel's payload check, the rule's and transforms' checks, the update norm bound); error replies and
+   replies that fail a check become recorded failures (not fatal); every valid reply is shown to the
+   observers (the interception point, before aggregation) through the channel's view;
+4. the rule aggregates (through the channel), the transforms' ``after_aggregate`` run in reverse; a
+   non-finite global model stops the run (:class:`NonFiniteModel`).
 
 It returns the new global state and a :class:`RoundRecord`; evaluating, notifying observers of the
 round's end, writing metrics and printing progress is the server loop's round-end step
@@ -17,16 +20,18 @@ client is registered and maps node ids to partition ids, so sampling can reach e
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
 from fedsim.observers import ClientUpdate, Observer
+from fedsim.privacy import PrivacyLedger
 from fedsim.protocol import (
     ARRAYS,
     CLIENT_ID_KEYS,
@@ -34,6 +39,7 @@ from fedsim.protocol import (
     ERROR,
     ERROR_REASON,
     EVAL_ACCURACY,
+    EVAL_EXAMPLES,
     EVAL_LOSS,
     EVALUATE,
     EXTRAS,
@@ -43,16 +49,20 @@ from fedsim.protocol import (
     PARTITION_ID,
     PARTITIONS,
     QUERY,
+    decode_array,
     decode_arrays,
     for_partition,
     num_nodes,
     recipe_of,
     train_config,
 )
-from fedsim.seams import AggregationRule, ChannelError, ServerChannel, ServerTransform
-from fedsim.training import derive_seed
+from fedsim.seams import AggregationRule, InvalidReply, ModelSpec, ServerChannel, ServerTransform
+from fedsim.training import derive_seed, get_weights
 
 log = logging.getLogger("fedsim")
+
+#: a check of one reply: raises :class:`fedsim.seams.InvalidReply` when the reply cannot be used
+ReplyCheck = Callable[["Reply"], None]
 
 
 class DiscoveryError(RuntimeError):
@@ -80,7 +90,9 @@ class Reply:
         self.partition = partition
         self.suffix = suffix
         self.metrics: dict[str, Any] = dict(self.record(METRICS)) if self.has(METRICS) else {}
-        self.num_examples = int(self.metrics.get(NUM_EXAMPLES, 0))
+        # as the client reported it; RoundEngine.check_reply replaces it by the checked count
+        n = self.metrics.get(NUM_EXAMPLES, 0)
+        self.num_examples = int(n) if isinstance(n, int) else 0
         self._arrays: list[np.ndarray] | None = None
         self.extra: dict[str, Any] = {}  # what the channel parsed from the payload
         self.contributors: list[int] = []  # for a reply that stands for several clients (secure aggregation)
@@ -98,6 +110,11 @@ class Reply:
             self._arrays = decode_arrays(self.record(ARRAYS), writable=False)
         return self._arrays
 
+    @arrays.setter
+    def arrays(self, arrays: list[np.ndarray]) -> None:
+        """The decoded model (a channel's ``check_reply`` sets it once it has checked it)."""
+        self._arrays = list(arrays)
+
 
 @dataclass
 class RoundRecord:
@@ -111,6 +128,7 @@ class RoundRecord:
     rule_metrics: dict[str, float] = field(default_factory=dict)
     transform_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # by transform name
     channel_metrics: dict[str, float] = field(default_factory=dict)
+    privacy: dict[str, Any] = field(default_factory=dict)  # privacy.<mechanism>.epsilon/.delta (fedsim.privacy)
     seconds: float = 0.0  # training exchange + aggregation (+ evaluation, set by the round-end step)
 
     @property
@@ -125,6 +143,7 @@ class RoundRecord:
         out.update({f"channel.{k}": v for k, v in self.channel_metrics.items()})
         for name, m in self.transform_metrics.items():
             out.update({f"{name}.{k}": v for k, v in m.items()})
+        out.update(self.privacy)
         return out
 
 
@@ -143,23 +162,46 @@ class RoundContext:
     weights: list[float] | None = None  # the weights a weighted-sum rule used
 
     def send(self, partitions: Sequence[int], message_type: str, shared: RecordDict,
-             per_partition: Mapping[int, Mapping[str, Any]] | None = None, stage: str = "train") -> list[Reply]:
-        """Send to clients (partition ids); the valid replies, sorted by partition. Failures are recorded."""
+             per_partition: Mapping[int, Mapping[str, Any]] | None = None, stage: str = "train",
+             check: ReplyCheck | None = None) -> list[Reply]:
+        """Send to clients (partition ids); the valid replies, sorted by partition. Failures are recorded;
+        ``check`` (raising :class:`InvalidReply`) decides which replies are valid (see RoundEngine.send)."""
         return self.engine.send(self.grid, partitions, message_type, shared, per_partition, stage, self.round,
-                                self.record)
+                                self.record, check)
+
+
+class NonFiniteModel(RuntimeError):
+    """The aggregated global model holds NaN or infinite values: the run stops (it never completes on it)."""
 
 
 class RoundEngine:
-    """Runs rounds of one federation (see the module docstring)."""
+    """Runs rounds of one federation (see the module docstring).
+
+    Every reply is checked before it is used (:meth:`check_reply`, one mechanism for every channel): the
+    example count (a positive integer up to ``federation.max_examples``), then the channel's payload
+    check (``ServerChannel.check_reply``: for the plain channel the model's names, shapes, dtypes and
+    finite values), the rule's and the transforms' own checks of what they read, and the update's norm
+    (``federation.max_update_norm``). A reply that fails is its client's recorded failure. An
+    aggregated global model that is not finite stops the run (:class:`NonFiniteModel`)."""
 
     def __init__(self, cfg: Mapping[str, Any], param_names: Sequence[str], rule: AggregationRule,
                  channel: ServerChannel, transforms: Sequence[ServerTransform] = (),
                  observers: Sequence[Observer] = (), timeout: float | None = 3600.0,
-                 fixed_partitions: Sequence[int] | None = None):
+                 fixed_partitions: Sequence[int] | None = None, model: ModelSpec | None = None,
+                 privacy: PrivacyLedger | None = None):
         self.cfg = cfg
         self.param_names = list(param_names)
+        from fedsim.factories import dataset_for, model_for
+
+        self.model = model if model is not None else ModelSpec.of(self.param_names, get_weights(model_for(cfg)))
+        fed, ds = cfg["federation"], dataset_for(cfg)
+        # a client cannot hold more examples than the training set (unless the user says otherwise)
+        self.max_examples = int(fed.get("max_examples") or len(ds.y_train))
+        self.max_eval_examples = max(self.max_examples, len(ds.y_test))  # evaluation on the common test split
+        self.max_update_norm = fed.get("max_update_norm")
         self.rule, self.channel, self.transforms = rule, channel, list(transforms)
         self.observers = list(observers)
+        self.privacy = privacy if privacy is not None else PrivacyLedger()
         self.timeout = timeout
         self.fixed_partitions = list(fixed_partitions) if fixed_partitions is not None else None
         self.clients_per_node = int(cfg.get("simulation", {}).get("clients_per_node", 1) or 1)
@@ -252,11 +294,12 @@ class RoundEngine:
 
     def send(self, grid: Grid, partitions: Sequence[int], message_type: str, shared: RecordDict,
              per_partition: Mapping[int, Mapping[str, Any]] | None, stage: str, server_round: int,
-             record: RoundRecord) -> list[Reply]:
+             record: RoundRecord, check: ReplyCheck | None = None) -> list[Reply]:
         """One message per node serving some of ``partitions``: the ``shared`` records, plus each
         partition's own records (suffixed ``@<partition>`` and listed under ``PARTITIONS`` when a node
         serves several). Returns the valid replies, one per partition, sorted by partition (replies
-        arrive in completion order; sorting keeps float sums, and runs, reproducible)."""
+        arrive in completion order; sorting keeps float sums, and runs, reproducible): not an error, and
+        passing ``check`` (a reply it raises :class:`InvalidReply` for is recorded as failed)."""
         per_partition = per_partition or {}
         by_node: dict[int, list[int]] = {}
         for p in sorted(partitions):
@@ -287,7 +330,93 @@ class RoundEngine:
                                         m.content[err][ERROR_REASON], partition=p)
                 else:
                     out.append(Reply(m, p, "@" + str(p)))
-        return sorted(out, key=lambda r: r.partition)
+        out = sorted(out, key=lambda r: r.partition)
+        return out if check is None else self.accept(out, check, stage, server_round, record)
+
+    # ---- checking replies ------------------------------------------------------------------------------
+    def accept(self, replies: Sequence[Reply], check: ReplyCheck, stage: str, server_round: int,
+               record: RoundRecord) -> list[Reply]:
+        """The replies ``check`` passes; each one it raises :class:`InvalidReply` for is a recorded failure
+        (of every client a reply stands for)."""
+        out = []
+        for r in replies:
+            try:
+                check(r)
+            except InvalidReply as exc:
+                for p in r.contributors or [r.partition]:
+                    self.record_failure(record, server_round, r.node_id, stage, f"invalid reply: {exc}",
+                                        partition=p)
+                continue
+            out.append(r)
+        return out
+
+    def check_count(self, value: Any, key: str = NUM_EXAMPLES, contributors: int = 1,
+                    bound: int | None = None) -> int:
+        """An example count a client reported: a positive integer up to ``federation.max_examples`` (per
+        client a reply stands for). Returns it as an int; raises :class:`InvalidReply`."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value != int(value):
+            raise InvalidReply(f"{key} must be a positive integer, got {value!r}")
+        n, most = int(value), (bound or self.max_examples) * max(1, contributors)
+        if n < 1:
+            raise InvalidReply(f"{key} = {n}: a client's count of examples must be at least 1")
+        if n > most:
+            where = "federation.max_examples" if self.cfg["federation"].get("max_examples") else \
+                "the training set's size (federation.max_examples unset)"
+            raise InvalidReply(f"{key} = {n} is above {where} = {bound or self.max_examples}"
+                               + (f" x {contributors} contributors" if contributors > 1 else ""))
+        return n
+
+    def check_reply(self, reply: Reply, sent: Sequence[np.ndarray] | None) -> None:
+        """Everything a train reply must satisfy before anything uses it (see the class docstring); raises
+        :class:`InvalidReply`. ``sent``: the plaintext model the clients received (for the norm bound)."""
+        if not reply.has(METRICS) or not isinstance(reply.record(METRICS), MetricRecord):
+            raise InvalidReply("the reply carries no metrics record")
+        if NUM_EXAMPLES not in reply.metrics:
+            raise InvalidReply(f"the reply's metrics lack {NUM_EXAMPLES}")
+        reply.num_examples = self.check_count(reply.metrics[NUM_EXAMPLES], contributors=len(reply.contributors))
+        if reply.has(EXTRAS):  # the defenses' extra arrays: observers and transforms decode them
+            extras = reply.record(EXTRAS)
+            if not isinstance(extras, ArrayRecord):
+                raise InvalidReply(f"the reply's {EXTRAS} record is a {type(extras).__name__}, not an ArrayRecord")
+            for name, arr in extras.items():
+                try:
+                    a = decode_array(arr, writable=False)
+                except Exception as exc:  # noqa: BLE001 - a damaged payload: name the entry
+                    raise InvalidReply(f"extra array {name!r} cannot be decoded ({type(exc).__name__})") from None
+                if a.dtype.kind in "fc" and not np.isfinite(a).all():
+                    raise InvalidReply(f"extra array {name!r} holds non-finite values")
+        self.channel.check_reply(reply, self.model)
+        self.rule.check_reply(reply, self.model)
+        for t in self.transforms:
+            t.check_reply(reply, self.model)
+        if self.max_update_norm is not None and sent is not None:
+            sq = sum(float(np.sum((np.asarray(a, dtype=np.float64) - np.asarray(s, dtype=np.float64)) ** 2))
+                     for a, s, dt in zip(reply.arrays, sent, self.model.dtypes) if dt.kind == "f")
+            if not math.sqrt(sq) <= self.max_update_norm:
+                raise InvalidReply(f"the update's L2 norm {math.sqrt(sq):.4g} is above federation.max_update_norm "
+                                   f"= {self.max_update_norm:g}")
+
+    def check_evaluation(self, reply: Reply) -> None:
+        """An ``evaluate`` reply: a finite loss, an accuracy in [0, 1], a positive example count."""
+        m = reply.metrics
+        for key in (EVAL_LOSS, EVAL_ACCURACY):
+            v = m.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise InvalidReply(f"{key} must be a finite number, got {v!r}")
+        if not 0 <= m[EVAL_ACCURACY] <= 1:
+            raise InvalidReply(f"{EVAL_ACCURACY} must be in [0, 1], got {m[EVAL_ACCURACY]!r}")
+        self.check_count(m.get(EVAL_EXAMPLES), EVAL_EXAMPLES, bound=self.max_eval_examples)
+
+    def check_global(self, server_round: int, state: Any) -> None:
+        """Raise :class:`NonFiniteModel` if the new global model (when the server can read it) is not finite."""
+        arrays = self.channel.plaintext(state)
+        for name, a in zip(self.param_names, arrays or ()):
+            a = np.asarray(a)
+            if a.dtype.kind in "fc" and not np.isfinite(a).all():
+                raise NonFiniteModel(f"round {server_round}: the aggregated global model holds non-finite values "
+                                     f"in {name!r} (rule {self.rule.name!r}); the run stops with the model of the "
+                                     "last completed round")
 
     def record_failure(self, record: RoundRecord, server_round: int, node: int, stage: str, reason: Any,
                        partition: int | None = None) -> None:
@@ -321,19 +450,13 @@ class RoundEngine:
                 content[k] = v
         record.sampled = self.sample(server_round)
         ctx = RoundContext(self, grid, server_round, self.channel, config, sent, record)
-        replies = []
-        for r in self.channel.train_exchange(ctx, record.sampled, content):
-            try:
-                self.channel.accept(r)
-            except ChannelError as exc:
-                self.record_failure(record, server_round, r.node_id, "train", f"ChannelError: {exc}",
-                                    partition=r.partition)
-                continue
-            replies.append(r)
+        replies = self.accept(self.channel.train_exchange(ctx, record.sampled, content),
+                              lambda r: self.check_reply(r, sent), "train", server_round, record)
         ctx.replies = replies
         self._notify(server_round, replies, sent, config)
         record.contributors = [p for r in replies for p in (r.contributors or [r.partition])]
         if not replies:
+            record.privacy = self.privacy.row() if self.privacy else {}
             return state, record
         record.train_metrics = dict(aggregate_metricrecords(
             [RecordDict({METRICS: r.record(METRICS)}) for r in replies], NUM_EXAMPLES))
@@ -345,7 +468,10 @@ class RoundEngine:
                 arrays = t.after_aggregate(ctx, arrays)
                 record.transform_metrics[t.name] = dict(t.metrics())
             new_state = self.channel.initial(arrays)
+        self.check_global(server_round, new_state)
         record.channel_metrics = dict(self.channel.metrics())
+        if self.privacy:  # after the rule: a central-DP rule has recorded this round's release
+            record.privacy = self.privacy.after_round(server_round, record.contributors, config)
         return new_state, record
 
     def _notify(self, server_round: int, replies: list[Reply], sent: list[np.ndarray] | None,
@@ -372,7 +498,8 @@ class RoundEngine:
         config = train_config(self.cfg, server_round)
         content = RecordDict({CONFIG: config, **self.channel.outgoing(state)})
         for p in partitions:
-            replies = self.send(grid, [p], EVALUATE, content, None, "evaluate", server_round, record)
+            replies = self.send(grid, [p], EVALUATE, content, None, "evaluate", server_round, record,
+                                self.check_evaluation)
             if replies:
                 m = replies[0].metrics
                 return float(m[EVAL_LOSS]), float(m[EVAL_ACCURACY]), p

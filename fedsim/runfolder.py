@@ -31,6 +31,8 @@ from fedsim.checkpoint import (
     config_differences,
     config_identity,
     read_checkpoint,
+    remove_temp_files,
+    verify_resume,
 )
 from fedsim.components import ConfigError
 
@@ -102,8 +104,10 @@ class Decision:
 
 
 def decide(path: Path, cfg: Mapping[str, Any] | None, overwrite: bool = False, resume: bool = False,
-           what: str = "--out") -> Decision:
-    """Inspect an existing folder (nothing is written). ``cfg`` None: only emptiness matters."""
+           what: str = "--out", without_client_state: bool = False) -> Decision:
+    """Inspect an existing folder (nothing is written). ``cfg`` None: only emptiness matters. A checkpoint
+    to resume from must fit the folder (:func:`fedsim.checkpoint.verify_resume`: ``metrics.jsonl`` and
+    every client-state file it stands for); ``without_client_state`` resumes without the client state."""
     contents = _contents(path)
     if not contents:
         if resume:
@@ -129,6 +133,13 @@ def decide(path: Path, cfg: Mapping[str, Any] | None, overwrite: bool = False, r
             raise RunFolderError(f"{exc}; use --overwrite to start the run again") from None
         if ckpt.identity != config_identity(cfg):
             raise RunFolderError(f"{path / CHECKPOINT} belongs to another config; use --overwrite to start again")
+        try:
+            verify_resume(path, ckpt, without_client_state=without_client_state)
+        except CheckpointError as exc:
+            raise RunFolderError(str(exc)) from None
+        if without_client_state:  # every client starts afresh; the run records that it is no longer exact
+            ckpt.client_state = {}
+            ckpt.client_state_dropped = [*ckpt.client_state_dropped, ckpt.round]
         return Decision("resume", checkpoint=ckpt, note=f"resuming after round {ckpt.round}")
     done = completed_rounds_in_metrics(path)
     if done >= 1:
@@ -246,9 +257,10 @@ def _lock_once(path: Path, what: str, created: bool) -> tuple[int, bool]:
 
 
 def open_folder(path: str | Path, cfg: Mapping[str, Any] | None, *, overwrite: bool = False, resume: bool = False,
-                what: str = "--out", sweep: bool = False) -> RunFolder:
+                what: str = "--out", sweep: bool = False, without_client_state: bool = False) -> RunFolder:
     """Check, create and lock a run folder (see the module docstring); raises :class:`RunFolderError`
-    naming the folder. ``sweep``: a sweep's folder (its variants decide for themselves)."""
+    naming the folder. ``sweep``: a sweep's folder (its variants decide for themselves). Once the folder
+    is accepted, temporary files a killed process left (``.<name>.<hex>.tmp``) are deleted."""
     path = Path(path)
     existed = _check_path(path, what)
     if existed and _contents(path) and not is_fedsim_folder(path):
@@ -266,7 +278,8 @@ def open_folder(path: str | Path, cfg: Mapping[str, Any] | None, *, overwrite: b
         if sweep:
             decision = Decision("fresh", note="cleared") if overwrite and _contents(path) else Decision("sweep")
         else:
-            decision = decide(path, cfg, overwrite=overwrite, resume=resume, what=what)
+            decision = decide(path, cfg, overwrite=overwrite, resume=resume, what=what,
+                              without_client_state=without_client_state)
     except BaseException:
         RunFolder(path, fd, created, Decision("refused")).release()  # removes the lock file
         if created:
@@ -275,12 +288,13 @@ def open_folder(path: str | Path, cfg: Mapping[str, Any] | None, *, overwrite: b
     folder = RunFolder(path, fd, created, decision)
     if decision.action == "fresh" and decision.note.startswith("cleared"):
         folder.clear()
+    remove_temp_files(path)
     return folder
 
 
 def open_run_folder(path: str | Path, cfg: Mapping[str, Any], *, overwrite: bool = False,
-                    resume: bool = False) -> RunFolder:
-    return open_folder(path, cfg, overwrite=overwrite, resume=resume)
+                    resume: bool = False, without_client_state: bool = False) -> RunFolder:
+    return open_folder(path, cfg, overwrite=overwrite, resume=resume, without_client_state=without_client_state)
 
 
 def open_sweep_folder(path: str | Path, *, overwrite: bool = False) -> RunFolder:

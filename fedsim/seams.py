@@ -26,7 +26,7 @@ import numpy as np
 from flwr.app import Context, Message, RecordDict
 
 from fedsim.components import CHANNELS, CLIENT_CHANNELS, STRATEGIES, TRANSFORMS, ConfigError
-from fedsim.protocol import ARRAYS, TRAIN, arrays_record, decode_arrays
+from fedsim.protocol import ARRAYS, TRAIN, arrays_record, decode_array, decode_arrays
 
 if TYPE_CHECKING:  # pragma: no cover
     from fedsim.rounds import Reply, RoundContext
@@ -47,8 +47,73 @@ Arrays = list[np.ndarray]
 Handler = Callable[[Message, Context], Message]
 
 
-class ChannelError(RuntimeError):
+class InvalidReply(RuntimeError):
+    """A client's reply is unusable (a bad example count, a model of the wrong names, shapes or dtypes,
+    non-finite values, a payload the channel cannot use): that client's recorded failure, never the
+    server's crash. Raised by the ``check_reply`` hooks (:meth:`ServerChannel.check_reply`)."""
+
+
+class ChannelError(InvalidReply):
     """A client's channel payload is unusable (corrupted, wrong key, wrong size): that client's failure."""
+
+
+class ModelSpec:
+    """The global model's entries as the server knows them: names, shapes and dtypes, in state-dict order.
+    What every reply's model is checked against (:meth:`check_arrays`). Shapes are the ones the entries
+    travel in: a 0-d entry (e.g. BatchNorm's ``num_batches_tracked``) travels as shape (1,)
+    (``fedsim.protocol.encode_array``)."""
+
+    def __init__(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype]):
+        self.names = list(names)
+        self.shapes = [tuple(int(d) for d in s) or (1,) for s in shapes]
+        self.dtypes = [np.dtype(d) for d in dtypes]
+
+    @classmethod
+    def of(cls, names: Sequence[str], arrays: Sequence[np.ndarray]) -> "ModelSpec":
+        arrays = [np.asarray(a) for a in arrays]
+        return cls(names, [a.shape for a in arrays], [a.dtype for a in arrays])
+
+    def check_names(self, got: Sequence[str], what: str = "the reply's model") -> None:
+        got = list(got)
+        if got == self.names:
+            return
+        missing = [n for n in self.names if n not in got]
+        extra = [n for n in got if n not in self.names]
+        if missing or extra:
+            parts = ([f"lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}"] if missing else []) + \
+                    ([f"has unknown entries {extra[:4]}{' ...' if len(extra) > 4 else ''}"] if extra else [])
+            raise InvalidReply(f"{what} {' and '.join(parts)}")
+        raise InvalidReply(f"{what} has the model's entries in another order")
+
+    def check_arrays(self, record: Any, what: str = "the reply's model") -> Arrays:
+        """The arrays of an ``ArrayRecord`` that must hold exactly this model (same names in the same
+        order, shapes, dtypes, finite values), decoded; raises :class:`InvalidReply` naming the entry."""
+        from flwr.app import ArrayRecord
+
+        if not isinstance(record, ArrayRecord):
+            raise InvalidReply(f"{what} is a {type(record).__name__}, not an ArrayRecord")
+        self.check_names(list(record.keys()), what)
+        out = []
+        for name, arr, shape, dtype in zip(self.names, record.values(), self.shapes, self.dtypes):
+            try:
+                ok_meta = np.dtype(arr.dtype) == dtype and tuple(arr.shape) == shape
+            except (TypeError, ValueError):
+                ok_meta = False
+            if not ok_meta:
+                raise InvalidReply(f"{what}: {name!r} is {arr.dtype} {list(arr.shape)}, the model's is "
+                                   f"{dtype} {list(shape)}")
+            try:
+                a = decode_array(arr, writable=False)
+            except Exception as exc:  # noqa: BLE001 - a damaged payload: name the entry
+                raise InvalidReply(f"{what}: {name!r} cannot be decoded ({type(exc).__name__}: {exc})") from None
+            if a.dtype != dtype or a.shape != shape:
+                raise InvalidReply(f"{what}: {name!r} decodes to {a.dtype} {list(a.shape)}, the model's is "
+                                   f"{dtype} {list(shape)}")
+            if a.dtype.kind in "fc" and not np.isfinite(a).all():
+                bad = a[~np.isfinite(a)]
+                raise InvalidReply(f"{what}: {name!r} holds {bad.size} non-finite values (e.g. {bad.flat[0]})")
+            out.append(a)
+        return out
 
 
 # ============================================================================= aggregation rules
@@ -58,6 +123,10 @@ class AggregationRule:
     name: ClassVar[str] = ""
     #: what the rule needs from the channel
     requires: ClassVar[frozenset[str]] = frozenset({INDIVIDUAL, PLAINTEXT_AGGREGATE})
+    #: whether the aggregate is the example-weighted mean of the client models (FedAvg's arithmetic): then one
+    #: client moves it by at most its weight times its update's norm, the sensitivity central DP calibrates
+    #: its noise to (strategies/dp.py); other rules get no formal guarantee from it
+    example_weighted_mean: ClassVar[bool] = False
 
     def validate_config(self, cfg: Mapping[str, Any]) -> None:
         """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
@@ -68,6 +137,12 @@ class AggregationRule:
     def configure_train(self, server_round: int, config: dict[str, Any]) -> None:
         """Add rule-specific keys to the round's train config (e.g. FedProx's proximal term)."""
 
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        """Check what this rule reads from one client's train reply before anything uses it; raise
+        :class:`InvalidReply` (the client's recorded failure) if it is unusable. The round engine calls it
+        for every reply (``RoundEngine.check_reply``), after its own checks (the example count) and the
+        channel's, before observers, the rule and the transforms see the reply. Default: nothing to check."""
+
     def aggregate(self, ctx: RoundContext, replies: list[Reply]) -> Any:
         """The next global state (in the channel's representation) from the round's valid replies."""
         raise NotImplementedError
@@ -75,6 +150,11 @@ class AggregationRule:
     def metrics(self) -> dict[str, float]:
         """What the rule did this round (logged in metrics.jsonl under ``strategy.<key>``)."""
         return {}
+
+    def privacy(self, cfg: Mapping[str, Any]) -> list[Any]:
+        """The differential privacy the rule gives, as :class:`fedsim.privacy.Mechanism` entries (central DP:
+        ``strategies/dp.py``). Default: none."""
+        return []
 
     def state(self) -> dict[str, Any]:
         """What this component carries from one round to the next, for checkpoints: a dict of arrays,
@@ -122,6 +202,12 @@ class ServerTransform:
         """Extra records for this round's train messages (default: none). Arrays for the clients'
         defenses go in an ArrayRecord under ``fedsim.protocol.EXTRAS``."""
         return {}
+
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        """Check what this transform reads from one client's train reply before anything uses it; raise
+        :class:`InvalidReply` (the client's recorded failure) if it is unusable. The round engine calls it
+        for every reply (``RoundEngine.check_reply``), after its own checks (the example count) and the
+        channel's, before observers, the rule and the transforms see the reply. Default: nothing to check."""
 
     def client_defenses(self) -> list[dict[str, Any]]:
         """``[[defenses]]`` entries every client must run first for this transform to work (e.g. the
@@ -181,8 +267,19 @@ class ServerChannel:
         """Records that carry the global state to a client (train and evaluate messages)."""
         raise NotImplementedError
 
-    def accept(self, reply: Reply) -> None:
-        """Check a reply's payload; raise :class:`ChannelError` if it is unusable."""
+    def outgoing_to_trained(self, state: Any) -> dict[str, Any]:
+        """Records that carry ``state`` (a weighted mean of this round's replies) to clients that trained on
+        this round's global model (FedBoosting's validators): a channel may leave out what they already
+        hold. Default: :meth:`outgoing`."""
+        return self.outgoing(state)
+
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        """Check one reply's payload against the model and this channel's settings before anything uses
+        it; raise :class:`ChannelError` (an :class:`InvalidReply`) naming what is wrong if it is unusable:
+        the reply becomes that client's recorded failure. May keep what it parsed in ``reply.extra`` (or
+        the decoded arrays). The round engine calls it once per train reply (``RoundEngine.check_reply``),
+        after checking the example count; a reply standing for several clients (``Reply.contributors``)
+        is checked as one. Default: no payload check (a channel with a payload must override it)."""
 
     def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> Any:
         """The weighted mean of the replies' models, as a state."""
@@ -191,6 +288,15 @@ class ServerChannel:
     def plaintext(self, state: Any) -> Arrays | None:
         """The state as plaintext arrays, or None when the server cannot read it."""
         return None
+
+    def checkpoint_arrays(self, state: Any) -> Arrays | None:
+        """The global state as arrays for a checkpoint (default: its plaintext; None: it cannot be saved).
+        An encrypted channel returns its ciphertexts (with :meth:`state` holding no secret)."""
+        return self.plaintext(state)
+
+    def from_checkpoint_arrays(self, arrays: Arrays) -> Any:
+        """The global state from :meth:`checkpoint_arrays`' arrays (after :meth:`load_state`)."""
+        return self.initial(arrays)
 
     def client_view(self, reply: Reply) -> dict[str, Any]:
         """What an observer may see of one reply: ``weights`` (lazy) or ``payload`` + ``kind``."""
@@ -251,12 +357,10 @@ class PlainChannel(ServerChannel):
     def outgoing(self, state: Arrays) -> dict[str, Any]:
         return {ARRAYS: arrays_record(self.names, state)}
 
-    def accept(self, reply: Reply) -> None:
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
         if not reply.has(ARRAYS):
             raise ChannelError("the reply carries no model arrays")
-        got = list(reply.record(ARRAYS).keys())
-        if got != self.names:
-            raise ChannelError(f"the reply's arrays {got[:4]}... do not match the model's {self.names[:4]}...")
+        reply.arrays = model.check_arrays(reply.record(ARRAYS))  # decoded once, checked
 
     def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> Arrays:
         """``sum_i (w_i / W) x_i``, accumulated in reply order in the arrays' dtype - the same arithmetic
@@ -296,9 +400,10 @@ CLIENT_CHANNELS.base = ClientChannel
 
 
 # ============================================================================= compatibility
-def check_compatible(channel: type[ServerChannel], rule: type[AggregationRule],
+def check_compatible(channel: type[ServerChannel], rule: type[AggregationRule] | AggregationRule,
                      transforms: Sequence[tuple[str, type[ServerTransform]]]) -> None:
-    """Refuse a rule or transform that needs something the channel does not give the server."""
+    """Refuse a rule or transform that needs something the channel does not give the server. ``rule`` may be
+    an instance: a rule that wraps another (central DP) needs what the wrapped rule needs, and more."""
     gives = capabilities(channel.provides)
     compatible = lambda need: sorted(n for n, c in CHANNELS.items() if need <= capabilities(c.provides))  # noqa: E731
     missing = rule.requires - gives

@@ -4,4 +4,15 @@ Importing this package registers them in :mod:`fedsim.components` (``STRATEGIES`
 ``TRANSFORMS``). They implement the seams of :mod:`fedsim.seams`; strategies never import
 ``attacks`` (the curious server is just another observer) or ``clients``.
 """
-from strategies import compensation, fedavg, fedboosting, flower, lossless, paillier, robbing, secagg  # noqa: F401
+from strategies import (  # noqa: F401
+    ckks,
+    compensation,
+    dp,
+    fedavg,
+    fedboosting,
+    flower,
+    lossless,
+    paillier,
+    robbing,
+    secagg,
+)

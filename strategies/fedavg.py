@@ -17,6 +17,7 @@ class FedAvg(WeightedSumRule):
 
     name = "fedavg"
     requires = frozenset({EXAMPLE_WEIGHTED_MEAN})
+    example_weighted_mean = True
 
     def weights(self, ctx: RoundContext, replies: list[Reply]) -> list[float]:
         return [float(r.num_examples) for r in replies]

@@ -47,7 +47,7 @@ from fedsim.protocol import (
     for_model,
 )
 from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WeightedSumRule
+from fedsim.seams import InvalidReply, ModelSpec, WeightedSumRule
 from fedsim.training import derive_seed
 
 SHARES = ("random", "equal")
@@ -151,6 +151,13 @@ class FedBoosting(WeightedSumRule):
         m = reply.metrics
         return float(m[FINAL_TRAIN_LOSS] if FINAL_TRAIN_LOSS in m else m[TRAIN_LOSS])
 
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        """The training loss the weights are computed from: a finite number."""
+        key = FINAL_TRAIN_LOSS if FINAL_TRAIN_LOSS in reply.metrics else TRAIN_LOSS
+        v = reply.metrics.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v):
+            raise InvalidReply(f"fedboosting reads the reply's {key}, which must be a finite number, got {v!r}")
+
     def weights(self, ctx: RoundContext, replies: list[Reply]) -> list[float]:
         n = len(replies)
         t = np.array([self.train_loss(r) for r in replies])
@@ -167,7 +174,7 @@ class FedBoosting(WeightedSumRule):
         for k in range(n):
             mixture = replies[k:k + 1] if fusion[k, k] == 1.0 else replies
             w = [1.0] if fusion[k, k] == 1.0 else list(fusion[k])
-            for key, rec in ctx.channel.outgoing(ctx.channel.weighted_mean(mixture, w)).items():
+            for key, rec in ctx.channel.outgoing_to_trained(ctx.channel.weighted_mean(mixture, w)).items():
                 shared[for_model(key, k)] = rec
         t1 = time.perf_counter()
         answered = ctx.send(parts, CROSS_VALIDATE, shared, None, "crossval")

@@ -87,10 +87,10 @@ RANGES: dict[str, tuple[float, bool, float, bool]] = {
 }
 
 
-def _check_range(key: str, value: Any) -> None:
-    if key not in RANGES:
+def _check_range(key: str, value: Any, ranges: Mapping[str, tuple[float, bool, float, bool]] = RANGES) -> None:
+    if key not in ranges or value is None:
         return
-    lo, lo_in, hi, hi_in = RANGES[key]
+    lo, lo_in, hi, hi_in = ranges[key]
     ok = (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)
     if not ok:
         lo_s = f"{'[' if lo_in else '('}{lo:g}"
@@ -246,7 +246,9 @@ def adapter(name: str, flower_class: type) -> type[FlowerRule]:
            f"(parameters: {', '.join(p.name for p in params) or 'none'}).")
     cls = type(f"Flower{flower_class.__name__}", (FlowerRule,),
                {"name": name, "flower_class": flower_class, "__init__": __init__, "__doc__": doc,
-                "__module__": __name__})
+                "__module__": __name__,
+                # FedAvg's arithmetic (FedAvg, FedProx): what central DP's noise is calibrated to (strategies/dp.py)
+                "example_weighted_mean": flower_class.aggregate_train is flwr_strategy.FedAvg.aggregate_train})
     return STRATEGIES.register(cls)
 
 

@@ -42,7 +42,14 @@ from fedsim.protocol import (
     arrays_record,
 )
 from fedsim.rounds import RoundContext
-from fedsim.seams import INDIVIDUAL, PLAINTEXT_AGGREGATE, ServerTransform, WeightedSumRule
+from fedsim.seams import (
+    INDIVIDUAL,
+    PLAINTEXT_AGGREGATE,
+    InvalidReply,
+    ModelSpec,
+    ServerTransform,
+    WeightedSumRule,
+)
 from fedsim.training import derive_seed
 
 MODES = ("auto", "paper", "shift")
@@ -240,12 +247,23 @@ class LosslessPerturbation(ServerTransform):
         names = [f"{LOSSLESS_MODEL}{n}" for n in self.names] + [LOSSLESS_R_A, LOSSLESS_GROUPS]
         return {EXTRAS: arrays_record(names, [*r["sent"], r_a, groups])}
 
+    def check_reply(self, reply: Any, model: ModelSpec) -> None:
+        """The reply's noise terms (parsed once here, used in ``after_aggregate``)."""
+        try:
+            reply.extra[LOSSLESS_TERMS] = self._terms(reply)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise InvalidReply(f"lossless perturbation: unusable noise terms: {exc}") from None
+
     def _terms(self, reply: Any) -> ll.ClientTerms:
+        if LOSSLESS_TERMS in reply.extra:
+            return reply.extra[LOSSLESS_TERMS]
         if not reply.has(EXTRAS) or LOSSLESS_TERMS not in reply.record(EXTRAS):
             raise ValueError("the reply carries no lossless noise terms")
         flat = reply.record(EXTRAS)[LOSSLESS_TERMS].numpy()
         if flat.dtype != np.float64 or flat.ndim != 1:
             raise ValueError(f"the lossless noise terms must be one float64 vector, got {flat.dtype} {flat.shape}")
+        if not np.isfinite(flat).all():
+            raise ValueError("the lossless noise terms hold non-finite values")
         num_groups = len(self._round["secrets"].gamma) if self.loss == "mse" else 0
         shapes = [tuple(t.shape) for w, b in self._true for t in (w, b) if t is not None]
         blocks = 1 + (num_groups + 1 if self.loss == "mse" else 0)

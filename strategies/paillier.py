@@ -1,103 +1,124 @@
-"""The Paillier channel, server half (seed 003 §4.2.2, Alg. 2, eq. 4.4): ``[channel] name = "paillier"``.
+"""The Paillier channel, server half (seed 003 §4.2.2, Alg. 2-3, eq. 4.4): ``[channel] name = "paillier"``.
 
-Clients quantize their model, pack many values per Paillier plaintext and encrypt (``fedsim.crypto``);
-the server verifies each payload with the public key alone, combines the payloads homomorphically
-with integer weights ``w_i = round(p_i * precision)`` (``p_i``: the aggregation rule's weights, e.g.
-FedAvg's example shares) and never decrypts: the global model it holds after round 1 is a ciphertext.
-Clients decrypt it at the start of the next round; the global model's accuracy is measured by a client
-(an ``evaluate`` message) on the common test split.
+Clients quantize what they send, pack many values per Paillier plaintext and encrypt (``fedsim.crypto``);
+the server checks each payload against the channel's settings with the public key alone
+(:meth:`PaillierChannel.check_reply`), combines the payloads homomorphically with integer weights
+``w_i = round(p_i * precision)`` (``p_i``: the aggregation rule's weights) and never decrypts.
 
-Keys never reach the server. Before round 1 (``handshake``):
+What is encrypted (``encrypt``):
 
-1. ``hello``: every client makes an X25519 key pair and sends its public key;
-2. ``keygen``: the key holder (the lowest partition id that answered: the thesis' "client 1") makes
-   the Paillier key pair and seals the private key for every other client under their pairwise X25519
-   secret (HKDF + AES-GCM, bound to the run, sender and recipient); it returns the public key and the
-   sealed boxes;
-3. ``deliver``: the server relays each client its box; the client opens it, checks the private key
-   against the public key and confirms the public key's fingerprint.
+* ``"update"`` (default, as the thesis: Alg. 3 lines 10 and 17-18): each client's update
+  ``x_i - x_{r-1}``. The server holds the global model as the public initial model plus the chain of
+  encrypted aggregate updates; a client adds the decrypted updates to the model it last trained on
+  (it keeps it in its state, as the thesis' clients keep ``omega_{r-1}``), so each train message carries
+  only the updates that client has not seen (all of them, and the initial model, to a client that never
+  trained). With ``clip`` unset the round's clipping range follows the updates' range: clients reply to
+  ``train`` with ``e_i`` (``max|update| <= 2**e_i``) and keep the update; the server sends the common
+  ``clip = 2**max(e_i)`` (``CHANNEL_SETUP`` stage ``encrypt``) and they encrypt at it, so nothing is
+  clipped and the rounding error is ``0.5 * clip / (2**(bits-1) - 1)`` (``channel.quantization_bound``).
+* ``"model"``: each client's whole trained model over a fixed ``clip`` (default 4.0).
 
-The server only ever holds public keys, sealed boxes and ciphertexts. Threat model (thesis §4.4):
-an honest-but-curious server that colludes with no client. docs/paillier.md says what breaks if a
-client colludes or the server is malicious.
+Keys never reach the server (``fedsim.keydelivery``). Threat model and what each check catches:
+docs/paillier.md.
 """
 from __future__ import annotations
 
-import json
-import secrets
+import math
 import time
 import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import RecordDict
 
 from fedsim.components import CHANNELS
 from fedsim.crypto.errors import IntegrityError
 from fedsim.crypto.packing import MAX_TOTAL_WEIGHT, packing_layout
 from fedsim.crypto.paillier import (
     DEFAULT_KEY_BITS,
-    MIN_KEY_BITS,
+    MODE_PACKED,
+    MODE_PER_ELEMENT,
+    check_key_bits,
     combine,
     key_fingerprint,
     public_key_from_bytes,
     public_key_to_bytes,
     verify,
 )
-from fedsim.crypto.quantize import Quantizer, integer_weights
+from fedsim.crypto.quantize import MAX_RANGE_EXPONENT, MIN_RANGE_EXPONENT, Quantizer, integer_weights
+from fedsim.keydelivery import SealedKeyServer
 from fedsim.protocol import (
     ARRAYS,
+    BASE,
     CHANNEL,
     CHANNEL_SETUP,
+    CLIP,
     CLIPPED,
-    CODEC,
     CONFIG,
     ENCRYPT_SECONDS,
-    FINGERPRINT,
-    HOLDER,
-    HOLDER_KEY,
     INLINE_OBFUSCATORS,
     PAYLOAD,
-    PEER_KEYS,
-    PEERS,
+    PAYLOADS,
     PUBLIC_KEY,
-    RUN_TAG,
-    SEALED,
-    STAGE,
-    X25519_PUBLIC,
+    RANGE_EXPONENT,
+    ROUNDS,
+    TRAIN,
     arrays_record,
-    train_config,
 )
 from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WEIGHTED_SUM, ChannelError, ServerChannel
+from fedsim.seams import WEIGHTED_SUM, ChannelError, ModelSpec, ServerChannel
+
+ENCRYPT = ("update", "model")
+
+_STATE_MAGIC = b"FSPS1"
 
 
 class EncryptedModel:
-    """The global model as the server holds it after round 1: a combined Paillier payload."""
+    """The global model as the server holds it after round 1 (a mixture of FedBoosting's too).
 
-    def __init__(self, payload: bytes):
-        self.payload = payload
+    ``kind = "model"``: ``head`` encrypts the model itself. ``kind = "update"``: the model is the initial
+    model plus the aggregate updates ``chain`` (``(round, payload)`` of rounds ``1..round-1``) plus ``head``,
+    the combination made in ``round``."""
+
+    def __init__(self, kind: str, head: bytes, round: int, chain: tuple[tuple[int, bytes], ...] = ()):
+        self.kind, self.head, self.round, self.chain = kind, head, int(round), tuple(chain)
+
+    @property
+    def payload(self) -> bytes:  # the payload made this round (tests, observers)
+        return self.head
 
 
 @CHANNELS.register
-class PaillierChannel(ServerChannel):
-    """Paillier-encrypted weighted sums (parameters: ``key_bits``, ``bits`` and ``clip`` of the
-    quantizer, ``overflow`` = clip | raise, ``precision`` = P of the integer weights, ``packed``,
-    ``slots``; see docs/paillier.md for the error bound and the overflow rule)."""
+class PaillierChannel(SealedKeyServer, ServerChannel):
+    """Paillier-encrypted weighted sums (parameters: ``key_bits``, ``encrypt`` = update | model, ``bits`` and
+    ``clip`` of the quantizer (``clip`` unset: the updates' range every round, or 4.0 for models),
+    ``overflow`` = clip | raise, ``precision`` = P of the integer weights, ``packed``, ``slots``; see
+    docs/paillier.md for the error bound and the overflow rule)."""
 
     name = "paillier"
     provides = frozenset({WEIGHTED_SUM})
+    key_name = "the Paillier key pair"
 
-    def __init__(self, key_bits: int = DEFAULT_KEY_BITS, bits: int = 16, clip: float = 4.0, overflow: str = "clip",
-                 precision: int = 4096, packed: bool = True, slots: int | None = None):
-        if key_bits < MIN_KEY_BITS:
-            raise ValueError(f"channel.key_bits must be >= {MIN_KEY_BITS}, got {key_bits}")
+    def __init__(self, key_bits: int = DEFAULT_KEY_BITS, encrypt: str = "update", bits: int = 16,
+                 clip: float | None = None, overflow: str = "clip", precision: int = 4096, packed: bool = True,
+                 slots: int | None = None):
+        check_key_bits(key_bits)
+        if encrypt not in ENCRYPT:
+            raise ValueError(f"channel.encrypt must be one of {list(ENCRYPT)}, got {encrypt!r}")
         if precision < 1:
             raise ValueError(f"channel.precision must be an integer >= 1, got {precision}")
-        self.quantizer = Quantizer(bits=bits, clip=clip, overflow=overflow)  # ValueErrors name channel.*
+        self.encrypt = encrypt
+        self.auto_clip = clip is None and encrypt == "update"
+        fixed = 4.0 if clip is None else clip  # the auto clip changes every round: 4.0 only fills the layout
+        self.quantizer = Quantizer(bits=bits, clip=fixed, overflow=overflow)  # ValueErrors name channel.*
         self.key_bits, self.precision, self.packed, self.slots = int(key_bits), int(precision), bool(packed), slots
         self.public_key = None
+        self.x0: list[np.ndarray] | None = None
+        self.holder: dict[int, int] = {}  # partition -> the round whose global model it holds (update encryption)
         self._metrics: dict[str, float] = {}
+        self._round = 0
+        self._chain: tuple[tuple[int, bytes], ...] = ()
+        self._clip = self.quantizer.clip
 
     # ---- configuration ------------------------------------------------------------------------------
     def max_total_weight(self, cfg: Mapping[str, Any]) -> int:
@@ -120,89 +141,171 @@ class PaillierChannel(ServerChannel):
                           "experiments, not for protecting anything", stacklevel=2)
 
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
-        self.cfg = cfg
         self.names = list(param_names)
-        self.codec = json.dumps({"bits": self.quantizer.bits, "clip": self.quantizer.clip,
-                                 "overflow": self.quantizer.overflow, "key_bits": self.key_bits,
-                                 "max_total_weight": self.max_total_weight(cfg), "packed": self.packed,
-                                 "slots": self.slots}, sort_keys=True)
-        self.run_tag = secrets.token_hex(16)
+        self.mtw = self.max_total_weight(cfg)
+        self.setup_delivery(cfg, {"bits": self.quantizer.bits, "clip": None if self.auto_clip else self.quantizer.clip,
+                                  "overflow": self.quantizer.overflow, "key_bits": self.key_bits,
+                                  "max_total_weight": self.mtw, "packed": self.packed, "slots": self.slots,
+                                  "encrypt": self.encrypt})
+        layout = packing_layout(self.key_bits, self.quantizer.bits, self.mtw, slots=self.slots) if self.packed else None
+        self.expected = {"mode": MODE_PACKED if self.packed else MODE_PER_ELEMENT, "bits": self.quantizer.bits,
+                         "slot_bits": layout.slot_bits if layout else 0, "slots": layout.slots if layout else 1,
+                         "key_bits": self.key_bits, "max_total_weight": self.mtw, "total_weight": 1}
 
-    def _stage(self, stage: str) -> ConfigRecord:
-        rec = train_config(self.cfg, 0)
-        rec[STAGE] = stage
-        return rec
+    def initial(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        if self.x0 is None:
+            self.x0 = [np.asarray(a) for a in arrays]
+        return arrays
 
-    def _channel_record(self, **items: Any) -> ConfigRecord:
-        return ConfigRecord({RUN_TAG: self.run_tag, CODEC: self.codec, **items})
+    @property
+    def num_values(self) -> int:
+        """Values a client encrypts: the model's floating entries (integer buffers travel in no form)."""
+        return sum(int(a.size) for a in self.x0 if np.issubdtype(a.dtype, np.floating))
 
-    # ---- key agreement and delivery --------------------------------------------------------------------
-    def handshake(self, ctx: RoundContext) -> None:
-        parts = sorted(ctx.engine.partition_node)
-        hello = ctx.send(parts, CHANNEL_SETUP, RecordDict({CONFIG: self._stage("hello"),
-                                                           CHANNEL: self._channel_record()}), stage="channel hello")
-        keys = {r.partition: bytes(r.record(CHANNEL)[X25519_PUBLIC]) for r in hello}
-        if not keys:
-            raise RuntimeError("Paillier channel: no client answered the key-agreement hello")
-        holder, peers = min(keys), [p for p in sorted(keys) if p != min(keys)]
-        own = {holder: {CHANNEL: self._channel_record(**{PEERS: peers, PEER_KEYS: [keys[p] for p in peers]})}}
-        made = ctx.send([holder], CHANNEL_SETUP, RecordDict({CONFIG: self._stage("keygen")}), own,
-                        stage="channel keygen")
-        if not made:
-            raise RuntimeError(f"Paillier channel: the key holder (client {holder}) failed to make the key pair")
-        rec = made[0].record(CHANNEL)
-        public = bytes(rec[PUBLIC_KEY])
+    # ---- key delivery -------------------------------------------------------------------------------------
+    def accept_public_key(self, public: bytes) -> bytes:
         self.public_key = public_key_from_bytes(public)
-        fingerprint = key_fingerprint(self.public_key)
-        sealed = dict(zip(peers, [bytes(b) for b in rec[SEALED]]))
-        boxes = {p: {CHANNEL: self._channel_record(**{HOLDER: holder, HOLDER_KEY: keys[holder], SEALED: sealed[p],
-                                                      PUBLIC_KEY: public})} for p in peers}
-        for r in ctx.send(peers, CHANNEL_SETUP, RecordDict({CONFIG: self._stage("deliver")}), boxes,
-                          stage="channel deliver"):
-            if bytes(r.record(CHANNEL)[FINGERPRINT]) != fingerprint:
-                ctx.engine.record_failure(ctx.record, 0, r.node_id, "channel deliver",
-                                          "the client confirmed another public key", partition=r.partition)
-        self._metrics = {"key_bits": float(self.key_bits), "clients_with_key": float(1 + len(peers))}
+        if self.public_key.n.bit_length() != self.key_bits:
+            raise RuntimeError(f"Paillier channel: the key holder made a {self.public_key.n.bit_length()}-bit key, "
+                               f"channel.key_bits = {self.key_bits}")
+        return key_fingerprint(self.public_key)
 
-    # ---- rounds ---------------------------------------------------------------------------------------------
-    def outgoing(self, state: Any) -> dict[str, Any]:
-        if isinstance(state, EncryptedModel):
-            return {CHANNEL: self._channel_record(**{PAYLOAD: state.payload,
-                                                     PUBLIC_KEY: public_key_to_bytes(self.public_key)})}
-        # the initial model is public: it travels in plaintext
-        return {ARRAYS: arrays_record(self.names, state),
-                CHANNEL: self._channel_record(**{PUBLIC_KEY: public_key_to_bytes(self.public_key)})}
+    def handshake(self, ctx: RoundContext) -> None:
+        self._metrics = {"key_bits": float(self.key_bits), **SealedKeyServer.handshake(self, ctx)}
 
-    def accept(self, reply: Reply) -> None:
+    # ---- what travels to the clients ------------------------------------------------------------------------
+    def outgoing_to_trained(self, state: Any) -> dict[str, Any]:
+        return self.outgoing(state, recipients_trained=True)
+
+    def outgoing(self, state: Any, recipients_trained: bool = False) -> dict[str, Any]:
+        public = {PUBLIC_KEY: public_key_to_bytes(self.public_key)}
+        if not isinstance(state, EncryptedModel):  # the initial model is public: it travels in plaintext
+            return {ARRAYS: arrays_record(self.names, state), CHANNEL: self.channel_record(**public)}
+        if state.kind == "model":
+            return {CHANNEL: self.channel_record(**public, **{PAYLOADS: [state.head], ROUNDS: [state.round],
+                                                              BASE: -1})}
+        if recipients_trained:  # they hold the global model of round - 1: its update on top is enough
+            return {CHANNEL: self.channel_record(**public, **{PAYLOADS: [state.head], ROUNDS: [state.round],
+                                                              BASE: state.round - 1})}
+        chain = [*state.chain, (state.round, state.head)]
+        return {ARRAYS: arrays_record(self.names, self.x0),
+                CHANNEL: self.channel_record(**public, **{PAYLOADS: [p for _, p in chain],
+                                                          ROUNDS: [r for r, _ in chain], BASE: 0})}
+
+    def train_exchange(self, ctx: RoundContext, partitions: list[int], content: RecordDict) -> list[Reply]:
+        """Each client gets the aggregate updates it has not seen; with the automatic clip, a second
+        exchange (``CHANNEL_SETUP`` stage ``encrypt``) announces the round's common clip and collects the
+        ciphertexts."""
+        self._round = ctx.round
+        ch = content[CHANNEL]
+        self._chain = tuple(zip([int(r) for r in ch[ROUNDS]], [bytes(p) for p in ch[PAYLOADS]])) \
+            if self.encrypt == "update" and PAYLOADS in ch else ()
+        self._clip = self.quantizer.clip
+        shared, own = content, None
+        if self.encrypt == "update" and self._chain:
+            shared = RecordDict({k: v for k, v in content.items() if k not in (ARRAYS, CHANNEL)})
+            own = {p: self._train_records(p) for p in partitions}
+        replies = ctx.send(partitions, TRAIN, shared, own, "train")
+        answered = {r.partition for r in replies}
+        for p in partitions:  # it may not hold what we think (a lost state): send it everything next time
+            if p not in answered:
+                self.holder.pop(p, None)
+        if not self.auto_clip:
+            return replies
+        ready, exps = [], []
+        for r in replies:
+            rec = r.record(CHANNEL) if r.has(CHANNEL) else {}
+            e = rec.get(RANGE_EXPONENT) if hasattr(rec, "get") else None
+            if isinstance(e, bool) or not isinstance(e, int) or not MIN_RANGE_EXPONENT <= e <= MAX_RANGE_EXPONENT:
+                ctx.engine.record_failure(ctx.record, ctx.round, r.node_id, "train",
+                                          f"invalid reply: the reply carries no valid {RANGE_EXPONENT} (an integer "
+                                          f"in [{MIN_RANGE_EXPONENT}, {MAX_RANGE_EXPONENT}]): {str(e)[:80]}",
+                                          partition=r.partition)
+                continue
+            ready.append(r)
+            exps.append(e)
+        if not ready:
+            return []
+        self._clip = math.ldexp(1.0, max(exps))
+        config = self.stage_config("encrypt", ctx.round)
+        msg = RecordDict({CONFIG: config, CHANNEL: self.channel_record(**{CLIP: self._clip})})
+        done = {r.partition: r for r in ctx.send([r.partition for r in ready], CHANNEL_SETUP, msg, None,
+                                                 "train encrypt")}
+        out = []
+        for r in ready:
+            if r.partition in done:  # the train reply (metrics) with the ciphertexts of the second exchange
+                r.message.content[CHANNEL + r.suffix] = done[r.partition].record(CHANNEL)
+                out.append(r)
+        return out
+
+    def _train_records(self, partition: int) -> dict[str, Any]:
+        held = self.holder.get(partition, 0)
+        rounds = [r for r, _ in self._chain]
+        if held >= 1 and held in rounds:
+            chain = [(r, p) for r, p in self._chain if r > held]
+            return {CHANNEL: self.channel_record(**{PUBLIC_KEY: public_key_to_bytes(self.public_key),
+                                                    PAYLOADS: [p for _, p in chain], ROUNDS: [r for r, _ in chain],
+                                                    BASE: held})}
+        return {ARRAYS: arrays_record(self.names, self.x0),
+                CHANNEL: self.channel_record(**{PUBLIC_KEY: public_key_to_bytes(self.public_key),
+                                                PAYLOADS: [p for _, p in self._chain], ROUNDS: rounds, BASE: 0})}
+
+    # ---- what comes back --------------------------------------------------------------------------------------
+    def check_payload(self, payload: bytes) -> None:
+        """A client's payload against the channel's settings, with the public key alone: ``verify`` (size,
+        magic, version, key fingerprint and width, layout, count, digest, every ciphertext in range), then
+        every header field against what this channel expects of a client's payload this round (mode, value
+        and slot bits, slots, key bits, the round's clip, ``max_total_weight``, ``total_weight = 1``, the
+        model's value count). Raises :class:`ChannelError` naming the field."""
+        try:
+            h = verify(self.public_key, payload, num_values=self.num_values)
+        except IntegrityError as exc:
+            raise ChannelError(f"payload rejected ({exc.field}): {exc}") from None
+        for name, want in {**self.expected, "clip": self._clip}.items():
+            got = getattr(h, name)
+            if got != want:
+                raise ChannelError(f"payload rejected ({name}): the payload has {name} = {got!r}, the channel "
+                                   f"expects {want!r} this round")
+
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        """The per-reply check (``RoundEngine.check_reply`` calls it for every train reply; see
+        :meth:`check_payload`): a bad payload is this client's recorded failure, never a crash of the
+        combination. Keeps the payload in ``reply.extra`` and notes which global model the client holds."""
         if not reply.has(CHANNEL) or PAYLOAD not in reply.record(CHANNEL):
             raise ChannelError("the reply carries no ciphertexts")
         rec = reply.record(CHANNEL)
-        payload = bytes(rec[PAYLOAD])
-        try:
-            header = verify(self.public_key, payload)
-        except IntegrityError as exc:
-            raise ChannelError(f"payload rejected ({exc.field}): {exc}") from None
-        if getattr(self, "_num_values", None) is None:
-            self._num_values = header.num_values
-        elif header.num_values != self._num_values:
-            raise ChannelError(f"payload has {header.num_values} values, the others {self._num_values}")
+        payload = rec[PAYLOAD]
+        if not isinstance(payload, bytes):
+            raise ChannelError(f"payload rejected (type): {type(payload).__name__}, not bytes")
+        self.check_payload(payload)
         reply.extra[PAYLOAD] = payload
         for k in (ENCRYPT_SECONDS, CLIPPED, INLINE_OBFUSCATORS):
-            if k in rec:
-                reply.extra[k] = float(rec[k])
+            v = rec.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0:
+                reply.extra[k] = float(v)
+        if self.encrypt == "update":
+            self.holder[reply.partition] = self._round - 1
 
     def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> EncryptedModel:
         t0 = time.perf_counter()
         w = self.integer_weights(weights)
         payload = combine(self.public_key, [r.extra[PAYLOAD] for r in replies], w)
         enc = [r.extra.get(ENCRYPT_SECONDS) for r in replies if ENCRYPT_SECONDS in r.extra]
+        total = float(sum(weights))
+        p = [float(x) / total for x in weights]
+        weight_term = sum(abs(wi / sum(w) - pi) for wi, pi in zip(w, p))
+        step = self.quantizer.max_int
         self._metrics = {"combine_seconds": time.perf_counter() - t0, "total_weight": float(sum(w)),
                          "encrypt_seconds_max": float(max(enc)) if enc else float("nan"),
                          "encrypt_seconds_mean": float(np.mean(enc)) if enc else float("nan"),
                          "clipped": float(sum(r.extra.get(CLIPPED, 0.0) for r in replies)),
                          "inline_obfuscators": float(sum(r.extra.get(INLINE_OBFUSCATORS, 0.0) for r in replies)),
-                         "payload_bytes": float(len(payload))}
-        return EncryptedModel(payload)
+                         "payload_bytes": float(len(payload)), "clip": self._clip,
+                         # |decoded - sum_i p_i x_i| per value (docs/paillier.md): rounding, plus the
+                         # integer weights' deviation from the rule's weights times the largest |value|
+                         "quantization_bound": 0.5 * self._clip / step,
+                         "error_bound": 0.5 * self._clip / step + self._clip * weight_term}
+        return EncryptedModel(self.encrypt, payload, self._round, self._chain if self.encrypt == "update" else ())
 
     def integer_weights(self, weights: Sequence[float]) -> list[int]:
         """The rule's weights as integers: as they are when they already are integers summing to at most
@@ -221,3 +324,41 @@ class PaillierChannel(ServerChannel):
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
+
+    # ---- checkpoints ------------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The key delivery's outcome (run tag, public key) and who holds which global model; the global
+        state itself goes through :meth:`checkpoint_arrays`. No secret: the clients' keys are in their own
+        state (the client-state mirror)."""
+        return {"run_tag": getattr(self, "run_tag", ""),
+                "public_key": np.frombuffer(getattr(self, "public_bytes", None) or b"", dtype=np.uint8),
+                "x0": list(self.x0 or []), "holder": {str(k): int(v) for k, v in self.holder.items()}}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if len(state.get("public_key", ())) == 0:
+            raise ValueError("the checkpoint holds no Paillier public key (the key delivery never finished)")
+        self.run_tag = str(state["run_tag"])
+        public = state["public_key"]
+        self.public_bytes = bytes(public) if isinstance(public, (bytes, bytearray)) else np.asarray(public, np.uint8).tobytes()
+        self.accept_public_key(self.public_bytes)
+        self.x0 = [np.asarray(a) for a in state["x0"]]
+        self.holder = {int(k): int(v) for k, v in state["holder"].items()}
+
+    def checkpoint_arrays(self, state: Any) -> list[np.ndarray]:
+        if not isinstance(state, EncryptedModel):
+            return list(state)
+        parts = [state.kind.encode(), str(state.round).encode(), state.head,
+                 *[b for r, p in state.chain for b in (str(r).encode(), p)]]
+        blob = _STATE_MAGIC + b"".join(len(x).to_bytes(8, "big") + x for x in parts)
+        return [np.frombuffer(blob, dtype=np.uint8).copy()]
+
+    def from_checkpoint_arrays(self, arrays: list[np.ndarray]) -> Any:
+        if len(arrays) == 1 and arrays[0].dtype == np.uint8 and arrays[0][:len(_STATE_MAGIC)].tobytes() == _STATE_MAGIC:
+            blob, parts, i = arrays[0].tobytes(), [], len(_STATE_MAGIC)
+            while i < len(blob):
+                n = int.from_bytes(blob[i:i + 8], "big")
+                parts.append(blob[i + 8:i + 8 + n])
+                i += 8 + n
+            chain = tuple((int(parts[k]), parts[k + 1]) for k in range(3, len(parts), 2))
+            return EncryptedModel(parts[0].decode(), parts[2], int(parts[1]), chain)
+        return self.initial(arrays)

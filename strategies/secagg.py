@@ -37,8 +37,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.common import FitIns, Parameters, parameters_to_ndarrays
+from flwr.common import FitIns, Parameters, bytes_to_ndarray, parameters_to_ndarrays
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.compat.common import recorddict_compat as compat
 from flwr.server import LegacyContext
 from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.strategy import Strategy
@@ -63,7 +64,14 @@ from fedsim.protocol import (
     arrays_record,
 )
 from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import EXAMPLE_WEIGHTED_MEAN, PLAINTEXT_AGGREGATE, ChannelError, ServerChannel
+from fedsim.seams import (
+    EXAMPLE_WEIGHTED_MEAN,
+    PLAINTEXT_AGGREGATE,
+    ChannelError,
+    InvalidReply,
+    ModelSpec,
+    ServerChannel,
+)
 from fedsim.training import derive_seed
 
 AGGREGATE = -1  # the partition id of a reply that stands for several clients
@@ -220,16 +228,24 @@ class ProtocolGrid(DelegatingGrid):
             node = m.metadata.dst_node_id
             if node not in got:
                 self._fail(self.node_partition[node], node, stage, f"no reply within {timeout} s")
-        ok = []
+        ok, valid = [], []
         for r in replies:
             node = r.metadata.src_node_id
+            if node not in self.node_partition:
+                continue  # not a node of this round (the workflow would fail on it)
             if r.has_error():
                 self._fail(self.node_partition[node], node, stage, r.error.reason if r.error else "unknown error")
-            else:
-                ok.append(self.node_partition[node])
+                continue
+            try:
+                self.channel.check_stage_reply(stage, r, self)
+            except InvalidReply as exc:  # as if it had dropped out of the protocol at this stage
+                self._fail(self.node_partition[node], node, stage, f"invalid reply: {exc}")
+                continue
+            ok.append(self.node_partition[node])
+            valid.append(r)
         self.replied[stage] = sorted(ok)
         self.stage_seconds[stage] = self.stage_seconds.get(stage, 0.0) + time.perf_counter() - t0
-        return replies
+        return valid
 
 
 @CHANNELS.register
@@ -393,13 +409,17 @@ class SecAggPlusChannel(ServerChannel):
                              timeout=self.timeout if self.timeout is not None else engine.timeout)
         saved = random.getstate()  # the workflow shuffles the nodes into neighbourhoods with `random`
         random.seed(derive_seed(self.cfg["seed"], ctx.round, 0x5EC))
+        broke = None
         try:
             workflow(grid, legacy)
+        except Exception as exc:  # noqa: BLE001 - a client's reply Flower's protocol could not use
+            broke = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            strategy.parameters = None
         finally:
             random.setstate(saved)
         seconds = time.perf_counter() - t0
         if strategy.parameters is None or not strategy.results:
-            self._halted(ctx, grid, workflow, partitions)
+            self._halted(ctx, grid, workflow, partitions, broke)
             return []
         contributors = sorted(node_partition[proxy.node_id] for proxy, _ in strategy.results)
         arrays = self._as_model(parameters_to_ndarrays(strategy.parameters), ctx.sent)
@@ -415,21 +435,86 @@ class SecAggPlusChannel(ServerChannel):
                          **{f"{s}_seconds": v for s, v in grid.stage_seconds.items()}}
         return [reply]
 
-    def _halted(self, ctx: RoundContext, grid: ProtocolGrid, workflow: _Workflow, partitions: Sequence[int]) -> None:
+    def _halted(self, ctx: RoundContext, grid: ProtocolGrid, workflow: _Workflow, partitions: Sequence[int],
+                broke: str | None = None) -> None:
         """No aggregate: every sampled client that has not failed already is recorded as not aggregated."""
-        if workflow.last_check is not None:
+        if broke is not None:  # e.g. shares that do not combine: the protocol cannot tell whose they were
+            why = f"SecAgg+ protocol error in Flower's workflow ({broke})"
+        elif workflow.last_check is not None:
             stage, fewest, t = workflow.last_check
             why = (f"SecAgg+ halted after the {stage} stage: a client has only {fewest} active neighbours and "
                    f"recovering its secrets needs reconstruction_threshold = {t}")
         else:
             why = "SecAgg+ halted before its first stage (fewer than 2 clients)"
-        if grid.replied.get(Stage.UNMASK) is not None:
+        if grid.replied.get(Stage.UNMASK) is not None and broke is None:
             why = "SecAgg+ could not unmask the sum: fewer than reconstruction_threshold shares of some secret"
         survivors = [p for p in sorted(partitions) if p not in grid.failed]
         why += f" ({len(survivors)} of {len(partitions)} sampled clients left)"
         for p in survivors:
             grid._fail(p, ctx.engine.partition_node[p], "aggregate", f"not aggregated: {why}")
         self._metrics = {}
+
+    # ---- checking each client's protocol replies ---------------------------------------------------------
+    def check_stage_reply(self, stage: str, msg: Message, grid: ProtocolGrid) -> None:
+        """What Flower's workflow reads from one client's reply at ``stage``, checked against this channel's
+        settings before the workflow uses it; raises :class:`InvalidReply` (the client then counts as
+        dropped out at that stage, and the protocol recovers its masks from the others' shares).
+
+        Checked: the records and value types each stage needs (public keys; destinations and ciphertexts
+        of equal length; node ids and shares of equal length, naming nodes of the round); the masked
+        vector (one weight factor and one integer array per model entry, in the model's shapes, each value
+        in [0, modulus_range)) and the example count in the clear (a positive integer up to
+        ``max_weight`` and ``federation.max_examples``). What cannot be checked: the values under the
+        masks - a client can put any value in [0, modulus_range) there and shift the unmasked sum; Flower's
+        SecAgg+ has no range proofs (docs/failures.md)."""
+        rec = msg.content.config_records.get(RECORD_KEY_CONFIGS) if RECORD_KEY_CONFIGS in msg.content else None
+        if rec is None:
+            raise InvalidReply(f"the {stage} reply carries no SecAgg+ record")
+
+        def listed(key: str, kind: type) -> list[Any]:
+            v = rec.get(key)
+            if not isinstance(v, list) or not all(isinstance(x, kind) and not isinstance(x, bool) for x in v):
+                raise InvalidReply(f"the {stage} reply's {key!r} must be a list of {kind.__name__}")
+            return v
+
+        if stage == Stage.SETUP:
+            for key in (Key.PUBLIC_KEY_1, Key.PUBLIC_KEY_2):
+                if not isinstance(rec.get(key), bytes):
+                    raise InvalidReply(f"the setup reply's {key!r} must be bytes (a public key)")
+        elif stage == Stage.SHARE_KEYS:
+            if len(listed(Key.DESTINATION_LIST, int)) != len(listed(Key.CIPHERTEXT_LIST, bytes)):
+                raise InvalidReply("the share_keys reply lists destinations and ciphertexts of different lengths")
+        elif stage == Stage.UNMASK:
+            nodes, shares = listed(Key.NODE_ID_LIST, int), listed(Key.SHARE_LIST, bytes)
+            if len(nodes) != len(shares):
+                raise InvalidReply("the unmask reply lists node ids and shares of different lengths")
+            strangers = sorted(set(nodes) - set(grid.node_partition))
+            if strangers:
+                raise InvalidReply(f"the unmask reply holds shares of {len(strangers)} nodes not in the round")
+        elif stage == Stage.COLLECT_MASKED_VECTORS:
+            self._check_masked_vector(listed(Key.MASKED_PARAMETERS, bytes), grid.ctx)
+            try:
+                n = compat.recorddict_to_fitres(msg.content, True).num_examples
+            except Exception as exc:  # noqa: BLE001 - a malformed FitRes
+                raise InvalidReply(f"the reply's FitRes cannot be read ({type(exc).__name__}: {exc})") from None
+            n = grid.ctx.engine.check_count(n)
+            if n > self.max_weight:
+                raise InvalidReply(f"num-examples = {n} is above channel.max_weight = {_fmt(self.max_weight)}")
+
+    def _check_masked_vector(self, vector: list[bytes], ctx: RoundContext) -> None:
+        shapes = [(1,)] + ctx.engine.model.shapes  # Flower prepends the quantized weight factor
+        if len(vector) != len(shapes):
+            raise InvalidReply(f"the masked vector has {len(vector)} arrays, the model {len(shapes) - 1} (+ the weight)")
+        for i, (b, shape) in enumerate(zip(vector, shapes)):
+            try:
+                a = bytes_to_ndarray(b)
+            except Exception as exc:  # noqa: BLE001 - not an .npy array
+                raise InvalidReply(f"masked array {i} cannot be decoded ({type(exc).__name__})") from None
+            if a.dtype.kind not in "iu" or tuple(a.shape) != tuple(shape):
+                raise InvalidReply(f"masked array {i} is {a.dtype} {list(a.shape)}, expected integers of shape "
+                                   f"{list(shape)}")
+            if a.size and (int(a.min()) < 0 or int(a.max()) >= self.modulus_range):
+                raise InvalidReply(f"masked array {i} holds values outside [0, modulus_range = {self.modulus_range})")
 
     @staticmethod
     def _as_model(arrays: list[np.ndarray], sent: Sequence[np.ndarray] | None) -> list[np.ndarray]:
@@ -465,11 +550,11 @@ class SecAggPlusChannel(ServerChannel):
                 out[k] = float(np.dot(n, v) / total) if total > 0 else float(v.mean())
         return out
 
-    def accept(self, reply: Reply) -> None:
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        """The unmasked aggregate (each client's masked vector was checked in the protocol, ProtocolGrid)."""
         if not reply.contributors:
             raise ChannelError("SecAgg+ gives the server only aggregates: a reply without contributors")
-        if list(reply.record(ARRAYS).keys()) != self.names:
-            raise ChannelError("the aggregate's arrays do not match the model's")
+        reply.arrays = model.check_arrays(reply.record(ARRAYS), "the unmasked aggregate")
 
     def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> list[np.ndarray]:
         """The unmasked aggregate: already the example-weighted mean of the contributors (the protocol

@@ -328,7 +328,7 @@ def test_precomputed_obfuscation_decrypts_like_phe(key_a):
         c = pl.encrypt_raw(pk, v % n, obf)
         assert sk.decrypt(phe_paillier.EncryptedNumber(pk, c, 0)) == v
     # the CRT route gives the same obfuscator for the same r
-    crt_pool = pl.ObfuscatorPool(pk, sk)
+    crt_pool = pl.ObfuscatorPool(pk, sk, method="full")
     crt_pool._draw_r = lambda: gmpy2.mpz(r)
     assert crt_pool.compute() == obf
     # pooled encryptions decrypt correctly, are all different, and the pool hands out each once
@@ -499,3 +499,77 @@ def test_crypto_package_imports_no_plugin_and_no_flower():
                 found.add(node.module.split(".")[0])
     assert {"phe", "gmpy2", "cryptography", "numpy"} <= found
     assert not found & {"flwr", "strategies", "clients", "attacks", "torch", "ray"}
+
+
+# ------------------------------------------------------------------------ the cheaper Paillier (issue 27)
+def test_short_exponent_obfuscators_decrypt_like_phe_on_random_inputs(key_a):
+    """``h**alpha`` (fixed-base tables, CRT with the private key) is the same integer as gmpy2's powmod
+    modulo ``n**2`` for the same ``r0`` and ``alpha``, with and without the private key; ciphertexts made with
+    it decrypt with phe (raw and signed) to the plaintext; the exponent has 2 * kappa bits."""
+    pk, sk = key_a
+    rng = np.random.default_rng(1)
+    r0 = int(pk.get_random_lt_n())
+    with_key = pl.ShortExponentObfuscator(pk, sk, base=r0)
+    public_only = pl.ShortExponentObfuscator(pk, base=r0)
+    h = gmpy2.powmod(r0, pk.n, pk.nsquare)
+    assert with_key.alpha_bits == 2 * pl.security_bits(1024) == 160
+    assert pl.ShortExponentObfuscator(*_keypair(2048)).alpha_bits == 224  # kappa = 112 at 2048 bits
+    for alpha in [0, 1, 255, 256, (1 << 160) - 1, *[int(x) for x in rng.integers(0, 2**62, 5)]]:
+        assert with_key.power(alpha) == public_only.power(alpha) == int(gmpy2.powmod(h, alpha, pk.nsquare))
+    for _ in range(20):
+        m = int(rng.integers(0, 2**62)) * int(rng.integers(1, 2**62)) % pk.n
+        c = pl.encrypt_raw(pk, m, with_key.draw())
+        assert sk.raw_decrypt(c) == m
+        v = int(rng.integers(-2**40, 2**40))
+        assert sk.decrypt(phe_paillier.EncryptedNumber(pk, pl.encrypt_raw(pk, v % pk.n, with_key.draw()), 0)) == v
+    draws = {with_key.draw() for _ in range(50)}
+    assert len(draws) == 50  # fresh exponents
+
+
+def test_the_short_exponent_pool_gives_the_same_sums_as_full_obfuscators(key_a):
+    pk, sk = key_a
+    xs = client_updates(11, 3)
+    sums = []
+    for method in ("short", "full"):
+        pool = pl.ObfuscatorPool(pk, sk, method=method)
+        codec = pl.PaillierCodec(pk, Quantizer(bits=16, clip=0.5), 64, private_key=sk, pool=pool)
+        combined = codec.combine([codec.encode(x) for x in xs], [3, 1, 2])
+        sums.append(codec.decode_sums(combined, NUM))
+        assert pool.inline == codec.num_ciphertexts(NUM) * 3  # nothing precomputed: computed inline, counted
+    np.testing.assert_array_equal(*sums)
+
+
+def test_the_weighted_sum_equals_phe_arithmetic_exactly(key_a):
+    """The server's combination: the same ciphertext integers as phe's own scalar multiplication and addition
+    of EncryptedNumbers (no re-randomisation in either), and it decrypts to the weighted sum."""
+    pk, sk = key_a
+    rng = np.random.default_rng(2)
+    ms = [[int(v) for v in rng.integers(0, 2**50, 6)] for _ in range(4)]
+    cts = [[pk.raw_encrypt(m) for m in row] for row in ms]
+    for weights in ([1, 1, 1, 1], [4096, 3, 0, 17], [1, 2**12 + 7, 255, 256]):
+        got = pl.weighted_sum(pk, cts, weights)
+        for k in range(6):
+            acc = None
+            for w, row in zip(weights, cts):
+                if w == 0:
+                    continue
+                term = phe_paillier.EncryptedNumber(pk, row[k], 0) * w
+                acc = term if acc is None else acc + term
+            assert got[k] == acc.ciphertext(be_secure=False)
+            assert sk.raw_decrypt(got[k]) == sum(w * row[k] for w, row in zip(weights, ms)) % pk.n
+
+
+def test_threaded_decryption_equals_phe(key_a):
+    pk, sk = key_a
+    cts = [pk.raw_encrypt(int(m)) for m in np.random.default_rng(3).integers(0, 2**60, 40)]
+    expected = [sk.raw_decrypt(c) for c in cts]
+    for threads in (1, 2, 3):
+        assert pl.decrypt_many(sk, cts, threads=threads) == expected
+
+
+def test_key_bits_are_bounded():
+    for ok in (512, 2048, 8192):
+        assert pl.check_key_bits(ok) == ok
+    for bad in (511, 1023, 8194, 16384, 65536, True, 2048.0):
+        with pytest.raises(ValueError, match=r"channel.key_bits must be an even integer in \[512, 8192\]"):
+            pl.check_key_bits(bad)

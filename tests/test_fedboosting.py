@@ -26,12 +26,14 @@ from fedsim.app.client import client_app
 from fedsim.app.runner import run_experiment
 from fedsim.app.server import Server
 from fedsim.config import ConfigError
-from fedsim.crypto.paillier import PaillierCodec, private_key_from_bytes, public_key_from_bytes
+from fedsim.crypto.paillier import PaillierCodec, parse_header, private_key_from_bytes, public_key_from_bytes
+from fedsim.crypto.quantize import Quantizer
 from fedsim.factories import client_data, client_validation_data, dataset_for, partitions_for
 from fedsim.inprocess import InProcessGrid
 from fedsim.protocol import (
     ARRAYS,
     CHANNEL,
+    CHANNEL_SETUP,
     CONFIG,
     CROSS_VALIDATE,
     CROSSVAL_LOSSES,
@@ -40,6 +42,7 @@ from fedsim.protocol import (
     METRICS,
     PARTITION_ID,
     PAYLOAD,
+    PAYLOADS,
     SERVER_ROUND,
     STATE_CHANNEL,
     TRAIN,
@@ -283,15 +286,22 @@ def test_virtual_clients_give_the_same_weights(small_cfg):
 
 
 # ------------------------------------------------------------------------------------ Paillier
-def _client_codec(grid, server, partition=0):
-    """The test's god view: a codec holding client ``partition``'s copy of the Paillier private key."""
+def _decoder(grid, server, partition=0):
+    """The test's god view: decodes a payload (flat) with client ``partition``'s copy of the Paillier private
+    key, at the clip its header names (the round's common clip of the updates)."""
     nid = next(n for n, p in grid.nodes.items() if p == partition)
     st = {k: bytes(v) for k, v in grid.contexts[nid].state[STATE_CHANNEL].items()}
     public = public_key_from_bytes(st["paillier-public"])
     ch = server.engine.channel
-    return PaillierCodec(public, ch.quantizer, ch.max_total_weight(server.cfg),
-                         private_key=private_key_from_bytes(st["paillier-private"], public), packed=ch.packed,
-                         slots=ch.slots)
+
+    def decode(payload):
+        clip = parse_header(payload).clip
+        codec = PaillierCodec(public, Quantizer(bits=ch.quantizer.bits, clip=clip), ch.max_total_weight(server.cfg),
+                              private_key=private_key_from_bytes(st["paillier-private"], public),
+                              packed=ch.packed, slots=ch.slots)
+        return codec.decode(payload, [(ch.num_values,)])[0]
+
+    return decode
 
 
 @pytest.mark.filterwarnings("ignore:.*key.*:UserWarning")
@@ -308,13 +318,14 @@ def test_paillier_fedboosting_sends_ciphertexts_only_and_matches_plaintext(small
     plain = run_inprocess(small_cfg(*sets))[1].rows
     assert summary["client_failures"] == 0
     n, p_hat = 3, 0.9
-    codec = _client_codec(grid, server)
-    shapes = [a.shape for a in server.initial]
+    decode = _decoder(grid, server)
     for rnd in (1, 2, 3):
         train = exchanges(grid, TRAIN, rnd)
-        assert all(ARRAYS not in r.content for _, r in train)  # the models travel encrypted
-        models = {int(r.content[METRICS][PARTITION_ID]): flat(codec.decode(bytes(r.content[CHANNEL][PAYLOAD]), shapes))
-                  for _, r in train}
+        assert all(ARRAYS not in r.content for _, r in train)  # nothing travels in plaintext
+        # the updates travel encrypted, in the second exchange (the round's common clip)
+        enc = exchanges(grid, CHANNEL_SETUP, rnd)
+        models = {int(m.metadata.dst_node_id): decode(bytes(r.content[CHANNEL][PAYLOAD])) for m, r in enc}
+        models = {grid.nodes[k]: v for k, v in models.items()}
         assert sorted(models) == list(range(n))
         x = np.stack([models[k] for k in range(n)], axis=1)
         fusion = server.engine.rule.fusion_matrix(rnd, n)
@@ -323,11 +334,11 @@ def test_paillier_fedboosting_sends_ciphertexts_only_and_matches_plaintext(small
         for msg, reply in cv:
             bases = {split_model(k)[0] for k in msg.content.keys() if k != CONFIG}
             assert bases == {CHANNEL}  # no plaintext arrays travel
-            assert all(PAYLOAD in msg.content[f"{CHANNEL}#{k}"] for k in range(n))
+            assert all(PAYLOADS in msg.content[f"{CHANNEL}#{k}"] for k in range(n))
             assert set(reply.content.keys()) == {METRICS}  # loss values come back, nothing else
         msg = cv[0][0]
         for k in range(n):
-            fused = flat(codec.decode(bytes(msg.content[f"{CHANNEL}#{k}"][PAYLOAD]), shapes))
+            fused = decode(bytes(msg.content[f"{CHANNEL}#{k}"][PAYLOADS][0]))
             w, *_ = np.linalg.lstsq(x, fused, rcond=None)
             iw = np.array(server.engine.channel.integer_weights(list(fusion[k])), dtype=float)
             np.testing.assert_allclose(w, iw / iw.sum(), atol=1e-6)  # the server's eq. 4.4 weights, exactly

@@ -278,7 +278,8 @@ def test_membership_inference_is_at_chance_under_the_perturbation(small_cfg, tmp
     FedSGD, MSE, lr 0.5, 400 rounds): calibrated on the round before (the paper's setting) with the
     client's own 60 records and 60 test records, and scored on the other clients' 120 records and 120
     unseen test records, the attack is clearly above chance without the defence (measured 0.663 last
-    layer, 0.646 second-to-last) and at chance under it (measured 0.500, 0.517).
+    layer, 0.646 second-to-last) and at chance under it (measured 0.500, 0.517). The rows also carry the
+    membership audit (ROC AUC, TPR at low FPR) of the attack model and of the score attacks.
 
     Pinned to the CPU: the thresholds come from the CPU's trajectory. On a GPU (an H100, torch 2.11, fedsim's
     deterministic CUDA mode) the same 400 rounds end elsewhere and the attack without the defence measured
@@ -289,16 +290,27 @@ def test_membership_inference_is_at_chance_under_the_perturbation(small_cfg, tmp
                 data__partition="pathological", data__classes_per_client=10, data__min_per_class=6,
                 data__max_per_class=6, output__observers=obs, device="cpu")
     asr = {}
+    auc = {}
     for label, transforms in (("plain", []), ("pert", [{"name": "lossless-perturbation", "probe": 0}])):
         out = run_experiment(small_cfg(transforms=transforms, **sets), out=tmp_path / label, progress=False)
-        rows = read_jsonl(out / "client_leakage.jsonl")
+        every = read_jsonl(out / "client_leakage.jsonl")
+        rows = [r for r in every if r["attack"] == "cc-mia"]
         assert {r["features"] for r in rows} == {"last", "second"}
         assert all(r["round"] == 400 and r["calibration"] == "previous round" and r["scored"] == 240 for r in rows)
         asr[label] = {r["features"]: r["asr"] for r in rows}
+        auc[label] = {f"cc-mia-{r['features']}": r["auc"] for r in rows}
+        auc[label].update({r["attack"]: r["auc"] for r in every if r["attack"] in ("cc-loss", "cc-calibrated")})
         summary = json.loads((out / "summary.json").read_text())["client_leakage"]
-        assert {s["attack"]: s["asr"] for s in summary} == {f"cc-mia-{f}": v for f, v in asr[label].items()}
+        assert {s["attack"]: s["asr"] for s in summary if s["attack"].startswith("cc-mia")} == \
+            {f"cc-mia-{f}": v for f, v in asr[label].items()}
+        assert {s["attack"]: s["auc"] for s in summary} == auc[label]
+        assert (out / "client_membership_roc.png").is_file()
     assert min(asr["plain"].values()) >= 0.6
     assert all(abs(v - 0.5) <= 0.05 for v in asr["pert"].values())
+    # the audit (ROC AUC of the same scores; measured plain 0.705 / 0.669, perturbed 0.508 / 0.579) and the
+    # loss attack on the attacked round's model (measured 0.749 plain, 0.558 perturbed)
+    assert auc["plain"]["cc-mia-last"] >= 0.65 and auc["plain"]["cc-loss"] >= 0.7
+    assert abs(auc["pert"]["cc-mia-last"] - 0.5) <= 0.05 and auc["pert"]["cc-loss"] < auc["plain"]["cc-loss"] - 0.1
 
 
 # ------------------------------------------------------------------------------ the sweep table

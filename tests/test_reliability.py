@@ -359,12 +359,17 @@ def test_a_complete_run_is_not_run_again_and_another_config_is_refused(tmp_path,
 
 
 def test_what_cannot_be_checkpointed_is_named():
-    from fedsim.seams import PlainChannel
+    from fedsim.seams import WEIGHTED_SUM, PlainChannel, ServerChannel
     from strategies.fedavg import FedAvg
     from strategies.paillier import PaillierChannel
 
+    class Opaque(ServerChannel):  # keeps the model from the server and cannot save it
+        name = "opaque"
+        provides = frozenset({WEIGHTED_SUM})
+
     assert resume_blocker(PlainChannel(), FedAvg(), [], []) is None
-    assert "plaintext" in resume_blocker(PaillierChannel(), FedAvg(), [], [])
+    assert resume_blocker(PaillierChannel(), FedAvg(), [], []) is None  # it saves its ciphertexts
+    assert "checkpoint_arrays" in resume_blocker(Opaque(), FedAvg(), [], [])
     from fedsim.observers import Observer
 
     class Forgetful(Observer):

@@ -34,6 +34,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if out is not None and Path(out) != Path(args.resume):
             raise ConfigError(f"--out {out} and --resume {args.resume} name different folders")
         out = args.resume
+    if args.resume_without_client_state and not args.resume:
+        raise ConfigError("--resume-without-client-state continues a run: give it with --resume RUN_FOLDER")
     sets = [*(args.set or []), *_shortcuts(args)]
     if args.config is None:
         if not args.resume:
@@ -45,7 +47,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(args.config, sets)
     run_dir = run_experiment(cfg, out=out, progress=not args.quiet, overwrite=args.overwrite,
-                             resume=bool(args.resume))
+                             resume=bool(args.resume), without_client_state=args.resume_without_client_state)
     print(f"[fedsim] results in {run_dir}  (report: {Path(run_dir) / 'report.md'})")
     return 0
 
@@ -171,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "override a config value (repeatable), e.g. --set federation.rounds=3", "run folder",
                       config_optional=True)
     r.add_argument("--backend", choices=("ray", "inprocess"), help="override simulation.backend")
+    r.add_argument("--resume-without-client-state", action="store_true",
+                   help="with --resume: continue although client-state files are missing or damaged; every client "
+                   "starts without its state (residuals, accountants, keys), so the run is no longer exact")
     r.set_defaults(func=_cmd_run)
 
     s = sub.add_parser("sweep", help="run every variant of an experiment and tabulate them",
@@ -251,6 +256,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
         run_dir = getattr(exc, "run_dir", None)
+        if isinstance(exc, OSError) and exc.filename is not None:  # a disk that is full, read-only, gone
+            kept = f"; last completed round in {run_dir}/summary.json" if run_dir else "; nothing was kept"
+            print(f"fedsim: the run failed: cannot write {exc.filename}: {exc.strerror or exc}{kept}",
+                  file=sys.stderr)
+            return 1
         if run_dir is not None:
             print(f"fedsim: the run failed: {line} (traceback and last completed round in {run_dir}/summary.json)",
                   file=sys.stderr)

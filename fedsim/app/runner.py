@@ -83,17 +83,23 @@ def _backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
                             "include_dashboard": False}
     if sim.get("ray_address"):
         init["address"] = sim["ray_address"]
-    return {"client_resources": {"num_cpus": int(sim["num_cpus"]), "num_gpus": gpus}, "init_args": init}
+    # max_restarts: Ray restarts a client actor whose process died (kill -9, the OOM killer, a crash in
+    # native code); without it Flower puts the dead actor back into its pool, where it fails most of the
+    # following messages at once (see _ray_backend_hooks)
+    return {"client_resources": {"num_cpus": int(sim["num_cpus"]), "num_gpus": gpus, "max_restarts": -1,
+                                 "max_task_retries": ACTOR_RETRIES},
+            "init_args": init}
 
 
 def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers: Sequence[Observer] | None = None,
                    progress: bool = True, *, overwrite: bool = False, resume: bool = False,
-                   stop: StopSignal | None = None) -> Path:
+                   stop: StopSignal | None = None, without_client_state: bool = False) -> Path:
     """Run a validated config; returns the run folder (touched only once every input is checked).
 
     ``out`` names the folder (default: a new ``<output.dir>/<name>-<timestamp>``). A folder that holds
     this config's run is continued from its checkpoint (or returned as it is when complete); ``resume``
-    insists on that; ``overwrite`` clears a folder holding something else. Raises
+    insists on that (``without_client_state``: even though client-state files are missing or damaged, every
+    client then starting without its state); ``overwrite`` clears a folder holding something else. Raises
     :class:`~fedsim.interrupt.RunInterrupted` (with ``run_dir``) when stopped by SIGINT/SIGTERM.
     ``progress=False`` silences this run's progress lines (``fedsim.progress``)."""
     show = progress
@@ -115,7 +121,8 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
     else:
         run_dir = Path(out)
     try:
-        folder = open_run_folder(run_dir, cfg, overwrite=overwrite, resume=resume)
+        folder = open_run_folder(run_dir, cfg, overwrite=overwrite, resume=resume,
+                                 without_client_state=without_client_state)
     except BaseException:
         if made_here:
             run_dir.rmdir()
@@ -168,12 +175,26 @@ def _run_inprocess(cfg, run_dir, observers, show, stop, ckpt) -> None:
                resume=ckpt)
 
 
+#: times a message is run again on a restarted actor after its actor died under it
+ACTOR_RETRIES = 2
+
+
 @contextlib.contextmanager
 def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
     """While Flower's engine runs: keep our SIGINT/SIGTERM handlers after ``ray.init`` (which installs
-    its own SIGTERM handler in the driver) and remember the backend (its actor pool), so an interrupted
-    run can kill its client actors. Flower builds ``RayBackend`` by name from its module at run time;
-    this swaps in a subclass for the duration of one run."""
+    its own SIGTERM handler in the driver), remember the backend (its actor pool), so an interrupted
+    run can kill its client actors, and run a message again when its client actor died under it.
+    Flower builds ``RayBackend`` by name from its module at run time; this swaps in a subclass for the
+    duration of one run.
+
+    A dead actor: Flower 1.42's pool hands every message to the last idle actor and puts an actor back
+    after an error, so one dead actor (no restarts) takes, and fails at once, most messages of every
+    following round while the live ones train. With ``max_restarts`` (``_backend_config``) Ray restarts
+    the actor, and runs the message it was running again once the actor is back (``max_task_retries``:
+    the task's arguments, the message and the node's Flower ``Context``, are the ones it was first sent
+    with, so the reply is the same). A message whose actor keeps dying fails as that client's failure,
+    naming the error. At the end the actors are killed without a restart (Flower's ``terminate`` task
+    would itself be retried)."""
     try:
         from flwr.server.superlink.fleet.vce.backend import raybackend
     except ImportError:  # pragma: no cover - another Flower layout: no hooks (a stop waits for the clients)
@@ -190,6 +211,12 @@ def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
             backends.append(self)
             super().build(app_fn)
 
+        def terminate(self) -> None:
+            kill_client_actors([self], quiet=False)  # Flower's terminate() tasks would be retried (and logged)
+            if self.pool is not None:
+                self.pool.pool.clear()
+            super().terminate()
+
     raybackend.RayBackend = TrackedRayBackend
     try:
         yield
@@ -197,12 +224,14 @@ def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
         raybackend.RayBackend = original
 
 
-def kill_client_actors(backends: Sequence[Any]) -> int:
-    """Kill the Ray actors of Flower's actor pool (idle and busy): a worker thread waiting on a client
-    gets an error at once instead of waiting for its local training to end. Returns how many."""
+def kill_client_actors(backends: Sequence[Any], quiet: bool = True) -> int:
+    """Kill the Ray actors of Flower's actor pool (idle and busy), never to be restarted: a worker thread
+    waiting on a client gets an error at once instead of waiting for its local training to end.
+    ``quiet``: Flower's logs off (the killed actors' errors are expected). Returns how many."""
     import ray
 
-    logging.getLogger("flwr").setLevel(logging.CRITICAL)  # the killed actors' errors are expected
+    if quiet:
+        logging.getLogger("flwr").setLevel(logging.CRITICAL)
     killed = 0
     for backend in backends:
         pool = getattr(backend, "pool", None)

@@ -31,6 +31,7 @@ has ``startup_seconds``, ``round_seconds`` and ``observer_seconds`` beside the t
 from __future__ import annotations
 
 import io
+import json
 import logging
 import math
 import shutil
@@ -50,11 +51,14 @@ from fedsim.checkpoint import (
     CLIENT_STATE,
     Checkpoint,
     CheckpointError,
+    DigestCache,
     config_identity,
-    prune_client_states,
+    keep_client_states,
+    metrics_prefix,
     resume_blocker,
     rng_state,
     set_rng_state,
+    verify_resume,
     write_checkpoint,
 )
 from fedsim.components import ConfigError
@@ -80,12 +84,11 @@ from fedsim.reports import (
     append_jsonl,
     atomic_write_bytes,
     plot_accuracy,
-    read_jsonl,
     write_json,
-    write_jsonl,
     write_report,
 )
 from fedsim.rounds import RoundContext, RoundEngine, RoundRecord, sample_partitions
+from fedsim.seams import ModelSpec
 from fedsim.training import derive_seed, evaluate, get_weights, resolve_device, seed_everything, set_weights
 
 log = logging.getLogger("fedsim")
@@ -172,7 +175,8 @@ class Server:
         self.observers = list(parts["observers"] if observers is None else observers)
         self.engine = RoundEngine(cfg, self.names, parts["rule"], parts["channel"], parts["transforms"],
                                   self.observers, timeout=float(cfg["federation"].get("round_timeout", 3600.0)),
-                                  fixed_partitions=fixed_partitions)
+                                  fixed_partitions=fixed_partitions, model=ModelSpec.of(self.names, self.initial),
+                                  privacy=parts["privacy"])
         self.eval_model = model_for(cfg)
         self.rows: list[dict[str, Any]] = []
         self.csv = CsvLog(out / "metrics.csv") if out is not None else None
@@ -189,6 +193,8 @@ class Server:
         self._committed_observers: list[Any] | None = None
         self.prior_seconds = resume.seconds if resume is not None else 0.0
         self.resumed = [*resume.resumed, resume.round] if resume is not None else []
+        self.client_state_dropped = list(resume.client_state_dropped) if resume is not None else []
+        self._digests = DigestCache()
         self._t_start = time.perf_counter()
 
     # ---- the round-end step ----------------------------------------------------------------------------
@@ -217,7 +223,8 @@ class Server:
         config = train_config(self.cfg, record.round)
         config[EVAL_DATA] = "local"
         content = RecordDict({CONFIG: config, **self.engine.channel.outgoing(state)})
-        replies = self.engine.send(grid, chosen, EVALUATE, content, None, "client-evaluate", record.round, record)
+        replies = self.engine.send(grid, chosen, EVALUATE, content, None, "client-evaluate", record.round, record,
+                                   self.engine.check_evaluation)
         if not replies:
             return {"client_evaluators": 0}
         accs = [float(r.metrics[EVAL_ACCURACY]) for r in replies]
@@ -289,12 +296,17 @@ class Server:
         observers = [obs.state() for obs in self.observers]
         self._committed_observers = observers
         components = {"strategy": engine.rule.state(), "channel": engine.channel.state(),
-                      "transforms": [t.state() for t in engine.transforms], "observers": observers}
-        ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.plaintext(state)),
+                      "transforms": [t.state() for t in engine.transforms], "observers": observers,
+                      "privacy": engine.privacy.state()}
+        mirror = self.out / CLIENT_STATE
+        size, digest = metrics_prefix(self.out)
+        ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.checkpoint_arrays(state)),
                           components=components, rng=rng_state(), failures=list(engine.failures),
-                          seconds=self.elapsed(), resumed=self.resumed)
+                          seconds=self.elapsed(), resumed=self.resumed, metrics_bytes=size, metrics_digest=digest,
+                          client_state=self._digests.digests(mirror, rnd),
+                          client_state_dropped=self.client_state_dropped)
         write_checkpoint(self.out / CHECKPOINT, ckpt)
-        prune_client_states(self.out / CLIENT_STATE, rnd)
+        keep_client_states(mirror, ckpt.client_state)  # superseded files (and any a late client wrote) go
 
     def restore(self, ckpt: Checkpoint) -> Any:
         """Bring the run back to the end of round ``ckpt.round``; returns the global state. A checkpoint
@@ -306,18 +318,24 @@ class Server:
                 len(comps.get("observers", [])) != len(self.observers):
             raise CheckpointError(f"{where} does not match this run's transforms/observers; use --overwrite "
                                   "to start the run again")
-        rows = read_jsonl(self.out / "metrics.jsonl", skip_bad=True) if (self.out / "metrics.jsonl").exists() else []
-        rows = [r for r in rows if isinstance(r.get("round"), int) and r["round"] <= ckpt.round]
-        if [r["round"] for r in rows] != list(range(ckpt.round + 1)):
-            raise CheckpointError(f"{self.out / 'metrics.jsonl'} does not hold rounds 0..{ckpt.round} of the "
+        verify_resume(self.out, ckpt, without_client_state=True)  # (the run folder checked the client state)
+        metrics = self.out / "metrics.jsonl"
+        kept = metrics.read_bytes()[:ckpt.metrics_bytes]
+        try:
+            rows = [json.loads(line) for line in kept.decode().splitlines() if line.strip()]
+        except ValueError as exc:
+            raise CheckpointError(f"{metrics} cannot be read ({exc}); use --overwrite to start the run again") from None
+        if [r.get("round") for r in rows] != list(range(ckpt.round + 1)):
+            raise CheckpointError(f"{metrics} does not hold rounds 0..{ckpt.round} of the "
                                   "checkpoint; use --overwrite to start the run again")
         pieces = [(f"strategy {engine.rule.name!r}", engine.rule, comps.get("strategy", {})),
                   (f"channel {engine.channel.name!r}", engine.channel, comps.get("channel", {})),
                   *((f"transform {t.name!r}", t, st) for t, st in zip(engine.transforms, comps["transforms"]))]
-        write_jsonl(self.out / "metrics.jsonl", rows)  # drop the rows of an interrupted round
+        atomic_write_bytes(metrics, kept)  # drop the row of an interrupted round (the same bytes as before)
         self.csv.write(rows)
         self.rows = rows
         pieces += [(f"observer {o.name!r}", o, st) for o, st in zip(self.observers, comps["observers"])]
+        pieces.append(("the privacy ledger", engine.privacy, comps.get("privacy", {})))
         for what, comp, st in pieces:
             try:
                 comp.load_state(st)
@@ -326,9 +344,12 @@ class Server:
                                       "use --overwrite to start the run again") from exc
         self._committed_observers = comps["observers"]
         engine.failures[:] = list(ckpt.failures)
-        prune_client_states(self.out / CLIENT_STATE, ckpt.round)  # files of the interrupted round go
+        keep_client_states(self.out / CLIENT_STATE, ckpt.client_state)  # files of the interrupted round go
+        if ckpt.client_state_dropped and ckpt.client_state_dropped[-1] == ckpt.round and not ckpt.client_state:
+            progress.say(f"resuming after round {ckpt.round} without the clients' state "
+                         "(--resume-without-client-state): the run is no longer exact")
         set_rng_state(ckpt.rng)
-        state = engine.channel.initial([a.copy() for a in ckpt.arrays])
+        state = engine.channel.from_checkpoint_arrays([a.copy() for a in ckpt.arrays])
         self.completed, self.committed = ckpt.round, state
         return state
 
@@ -445,7 +466,11 @@ class Server:
             "resumable": bool(self.checkpointing and status != "completed" and self.completed is not None),
             "resumed_from": self.resumed,
         }
+        if self.client_state_dropped:
+            summary["resumed_without_client_state"] = self.client_state_dropped
         summary.update(extra or {})
+        if self.engine.privacy:
+            summary["privacy"] = self.engine.privacy.describe()
         for obs in self.observers:
             summary.update(obs.on_finish())
         if self.out is not None:
@@ -457,7 +482,8 @@ class Server:
             if rows:
                 plot_accuracy(rows, self.out / "accuracy.png", title=self.cfg["name"])
             write_json(self.out / "summary.json", summary)
-            write_report(self.out, self.cfg, rows, summary, [obs.report_markdown() for obs in self.observers])
+            write_report(self.out, self.cfg, rows, summary,
+                         [self.engine.privacy.report_markdown(rows), *(obs.report_markdown() for obs in self.observers)])
         return summary
 
 

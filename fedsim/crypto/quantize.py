@@ -135,3 +135,21 @@ def integer_weights(probabilities: Sequence[float], precision: int) -> list[int]
     if sum(w) < 1:
         raise ValueError(f"channel.precision={precision} rounds every weight to 0; raise it")
     return w
+
+
+MIN_RANGE_EXPONENT, MAX_RANGE_EXPONENT = -60, 16  # an automatic clip 2**e lies in [2**-60, 2**16]
+
+
+def range_exponent(values: np.ndarray) -> int:
+    """The smallest ``e`` with ``max|values| <= 2**e``, clamped to ``[MIN_RANGE_EXPONENT, MAX_RANGE_EXPONENT + 1]``
+    (all zeros: ``MIN_RANGE_EXPONENT``; above the largest allowed clip: ``MAX_RANGE_EXPONENT + 1``, which the
+    channel refuses). ``ValueError`` for NaN or infinities."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.size and not np.all(np.isfinite(x)):
+        raise ValueError(f"range_exponent: {int(np.sum(~np.isfinite(x)))} values are NaN or infinite")
+    m = float(np.max(np.abs(x))) if x.size else 0.0
+    if m == 0.0:
+        return MIN_RANGE_EXPONENT
+    f, k = math.frexp(m)  # m = f * 2**k, 0.5 <= f < 1
+    e = k - 1 if f == 0.5 else k
+    return int(min(max(e, MIN_RANGE_EXPONENT), MAX_RANGE_EXPONENT + 1))

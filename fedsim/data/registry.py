@@ -360,6 +360,17 @@ def dataset_from(obj: Any, name: str, root_size: int) -> Dataset:
                    class_names=tuple(obj.get("class_names") or ()))
 
 
+def check_finite(ds: Dataset) -> Dataset:
+    """Refuse a dataset whose inputs hold NaN or infinity (a model trained on them becomes NaN)."""
+    for split in ("x_train", "x_test", "x_root"):
+        x = getattr(ds, split)
+        if x.is_floating_point() and not bool(torch.isfinite(x).all()):
+            bad = int((~torch.isfinite(x)).sum())
+            raise ValueError(f"data.dataset {ds.name!r}: {split} holds {bad} non-finite values (NaN or infinity); "
+                             "a model trained or evaluated on them becomes NaN")
+    return ds
+
+
 @lru_cache(maxsize=8)
 def load_dataset(name: str, data_dir: str | None = None, download: bool = False,
                  root_size: int = 100, params: str = "{}") -> Dataset:
@@ -383,7 +394,7 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False,
                              f"import reference ('module:attribute' or 'path/file.py:attribute'), got {name!r}")
         obj = PLUGINS.build_named(name, json.loads(params), "data.params", name_where="data.dataset",
                                   data_dir=data_dir, download=download, root_size=root_size)
-        return dataset_from(obj, name, root_size)
+        return check_finite(dataset_from(obj, name, root_size))
     if json_params_given(params):
         raise ValueError(f"data.params is for a user's own dataset; the built-in {name!r} takes none")
     return DATASETS[name].load(data_dir, download, root_size)

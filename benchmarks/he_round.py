@@ -1,0 +1,232 @@
+"""End-to-end round time of the encrypted channels next to plaintext FedAvg (issue 27's headline figure).
+
+One federation (``--clients`` nodes) and four fedsim servers sharing its grid, same seed and workload:
+the plain channel, ``paillier`` at ``--key-bits`` (default 2048: its defaults, update encryption with the
+round's clip from the updates' range), ``ckks`` (TenSEAL, 128-bit parameters) and, for reference,
+``secagg+`` (Flower's SecAgg+, num_shares 3, threshold 2). Each server runs its channel's setup exchange
+(key delivery) first; then their rounds are interleaved (the order rotates every round) so machine load
+hits all alike. Timed per round: ``RoundEngine.run_round`` plus the round's evaluation (centrally for
+the plain and SecAgg+ channels, by a client for the encrypted ones: that is what a round costs). Round 1
+of each server is warm-up; rounds 2.. are measured.
+
+Printed per backend (in-process, and Ray with ``--actors`` actors): each channel's median round, the
+ratio of medians to plain, the median of the per-round ratios (each round over the plain round next to
+it) and their range, and what the encrypted channels report (online encryption time, combination time,
+payload size). Targets (issue 27): Paillier <= 3x in-process and <= 2x on Ray, CKKS <= 1.5x.
+
+Memory (``--memory``, in-process): one child process per channel runs the same federation for 2 rounds
+and reports its peak resident memory (``ru_maxrss``), printed as the difference to the plain child (target:
+<= +1 GB for 10 clients). On Ray the clients live in the actors' processes: not measured here.
+
+Workload: LeNet/ReLU on fmnist-small, IID over ``--clients`` clients, SGD lr 0.05, batch 16,
+``--epochs`` local epochs (1); torch runs one thread in this process, as in each Ray actor (so the
+clients' decryption runs in one thread too).
+
+    .venv/bin/python benchmarks/he_round.py [--clients 10] [--rounds 4] [--backends inprocess ray]
+        [--actors 2] [--key-bits 2048] [--memory]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CHANNELS = ("plain", "paillier", "ckks", "secagg+")
+
+
+def make_cfg(channel: str, args: argparse.Namespace) -> dict:
+    from fedsim.app import load_config
+
+    sets = ['name="he-round"', "federation.rounds=1", f"federation.num_clients={args.clients}",
+            'data.dataset="fmnist-small"', 'data.partition="iid"', 'model.name="lenet"', 'model.activation="relu"',
+            "train.lr=0.05", "train.batch_size=16", f"train.local_epochs={args.epochs}", "output.observers=[]",
+            f"seed={args.seed}"]
+    if channel == "paillier":
+        sets += ['channel.name="paillier"', f"channel.key_bits={args.key_bits}"]
+    elif channel == "ckks":
+        sets += ['channel.name="ckks"']
+    elif channel == "secagg+":
+        sets += ['channel.name="secagg+"', "channel.num_shares=3", "channel.reconstruction_threshold=2"]
+    return load_config(None, sets)
+
+
+def _servers(grid, args: argparse.Namespace, channels) -> tuple[dict, dict]:
+    from fedsim.app.server import Server
+    from fedsim.rounds import RoundContext, RoundRecord
+
+    servers, states = {}, {}
+    for name in channels:
+        s = Server(make_cfg(name, args), None, [], progress=False)
+        s.engine.discover(grid)
+        states[name] = s.engine.channel.initial(s.initial)
+        t0 = time.perf_counter()
+        s.engine.channel.handshake(RoundContext(s.engine, grid, 0, s.engine.channel, None, None, RoundRecord(0)))
+        print(f"[bench] {name}: setup exchange {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+        servers[name] = s
+    return servers, states
+
+
+def measure(grid, args: argparse.Namespace, channels=CHANNELS) -> dict:
+    servers, states = _servers(grid, args, channels)
+    times: dict[str, list[float]] = {n: [] for n in servers}
+    cpu: dict[str, list[float]] = {n: [] for n in servers}
+    extra: dict[str, dict[str, list[float]]] = {n: {} for n in servers}
+    for rnd in range(1, args.rounds + 1):
+        k = rnd % len(servers)
+        order = list(servers)[k:] + list(servers)[:k]
+        for name in order:
+            s = servers[name]
+            t0, c0 = time.perf_counter(), time.process_time()
+            states[name], record = s.engine.run_round(grid, rnd, states[name])
+            ev = s.evaluate(grid, states[name], record)
+            times[name].append(time.perf_counter() - t0)
+            cpu[name].append(time.process_time() - c0)
+            if record.replies != args.clients or record.failures or ev["accuracy"] is None:
+                raise RuntimeError(f"{name}, round {rnd}: {record.replies} replies, failures {record.failures[:1]}")
+            for key in ("encrypt_seconds_mean", "combine_seconds", "payload_bytes", "clip"):
+                if key in record.channel_metrics:
+                    extra[name].setdefault(key, []).append(float(record.channel_metrics[key]))
+            print(f"[bench] round {rnd} {name}: {times[name][-1]:.2f} s (process CPU {cpu[name][-1]:.2f} s), "
+                  f"accuracy {ev['accuracy']:.4f}",
+                  file=sys.stderr, flush=True)
+    plain = times["plain"][1:]
+    rows = {}
+    for name in servers:
+        mine = times[name][1:]
+        ratios = [a / b for a, b in zip(mine, plain)]
+        rows[name] = {"median_s": statistics.median(mine), "ratio_of_medians": statistics.median(mine) / statistics.median(plain),
+                      # CPU seconds of this process (all the clients' work on the in-process backend, not the
+                      # actors' on Ray): less sensitive to other processes' load than wall time
+                      "cpu_s": statistics.median(cpu[name][1:]),
+                      "cpu_ratio": statistics.median(cpu[name][1:]) / statistics.median(cpu["plain"][1:]),
+                      "median_ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+                      **{k: statistics.median(v[1:] or v) for k, v in extra[name].items()}}
+    return rows
+
+
+def run_backend(backend: str, args: argparse.Namespace) -> dict:
+    from fedsim.app.client import client_app
+
+    if backend == "inprocess":
+        from fedsim.inprocess import InProcessGrid
+
+        return measure(InProcessGrid(client_app, args.clients), args)
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    server_app, out, errors = ServerApp(), {}, []
+
+    @server_app.main()
+    def _main(grid, context) -> None:
+        grid.pull_interval = 0.01  # as `fedsim run` does
+        logging.getLogger("flwr").setLevel(logging.ERROR)
+        try:
+            out["rows"] = measure(grid, args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    run_simulation(server_app=server_app, client_app=client_app, num_supernodes=args.clients,
+                   backend_config={"client_resources": {"num_cpus": max(1, (os.cpu_count() or 2) // args.actors),
+                                                        "num_gpus": 0.0},
+                                   "init_args": {"logging_level": "ERROR", "log_to_driver": False,
+                                                 "include_dashboard": False, "num_cpus": os.cpu_count() or 2}})
+    if errors:
+        raise errors[0]
+    return out["rows"]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory_child(channel: str, args: argparse.Namespace) -> None:
+    """One channel, 2 rounds in-process; prints as JSON the peak RSS and the resident memory the channel's
+    setup and rounds added (RSS after the rounds minus RSS before the setup), in MB."""
+    from fedsim.app.client import client_app
+    from fedsim.inprocess import InProcessGrid
+
+    grid = InProcessGrid(client_app, args.clients)
+    before = _rss_mb()
+    servers, states = _servers(grid, args, [channel])
+    s = servers[channel]
+    for rnd in (1, 2):
+        states[channel], record = s.engine.run_round(grid, rnd, states[channel])
+        s.evaluate(grid, states[channel], record)
+    print(json.dumps({"channel": channel, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                      "added_mb": _rss_mb() - before}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--clients", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per channel (round 1 is warm-up)")
+    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--key-bits", type=int, default=2048)
+    ap.add_argument("--backends", nargs="+", choices=("inprocess", "ray"), default=["inprocess", "ray"])
+    ap.add_argument("--actors", type=int, default=2, help="Ray: client actors (CPUs / actors each)")
+    ap.add_argument("--memory", action="store_true", help="also measure peak memory per channel (in-process)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--memory-child", choices=CHANNELS, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds must be >= 2 (round 1 is warm-up)")
+    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from fedsim.app.runner import quiet_logs
+
+    torch.set_num_threads(1)  # one core per client, as each Ray actor runs (and stable on a busy machine)
+    quiet_logs()
+    if args.memory_child:
+        memory_child(args.memory_child, args)
+        return
+    t0 = time.perf_counter()
+    results = {b: run_backend(b, args) for b in args.backends}
+    mem = {}
+    if args.memory:
+        for ch in CHANNELS:
+            out = subprocess.run([sys.executable, __file__, "--memory-child", ch, "--clients", str(args.clients),
+                                  "--key-bits", str(args.key_bits), "--epochs", str(args.epochs)],
+                                 capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+            line = [x for x in out.stdout.splitlines() if x.startswith("{")]
+            mem[ch] = json.loads(line[-1]) if line else {"peak_mb": float("nan"), "added_mb": float("nan")}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"\n{args.clients} clients, LeNet on fmnist-small, {args.epochs} local epoch(s), Paillier {args.key_bits}-bit; "
+          f"{args.rounds - 1} measured rounds per channel; {time.perf_counter() - t0:.0f} s in all; "
+          f"{os.cpu_count()} CPUs, load average at the end {load:.2f}\n")
+    for backend, rows in results.items():
+        print(f"**{backend}**" + (f" ({args.actors} actors)" if backend == "ray" else "") + "\n")
+        print("| channel | round s (median) | ratio of medians | median ratio (min-max) | process CPU s (ratio) | "
+              "encrypt s/client | combine s | payload MB |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, r in rows.items():
+            enc = f"{r['encrypt_seconds_mean']:.3f}" if "encrypt_seconds_mean" in r else "-"
+            comb = f"{r['combine_seconds']:.3f}" if "combine_seconds" in r else "-"
+            size = f"{r['payload_bytes'] / 1e6:.2f}" if "payload_bytes" in r else "-"
+            print(f"| {name} | {r['median_s']:.2f} | {r['ratio_of_medians']:.2f}x | {r['median_ratio']:.2f}x "
+                  f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['cpu_s']:.2f} ({r['cpu_ratio']:.2f}x) | {enc} | "
+                  f"{comb} | {size} |")
+        print()
+    if mem:
+        print("resident memory, one process per channel (in-process, setup + 2 rounds):\n")
+        print("| channel | peak MB | added by setup and rounds MB | over plain MB |")
+        print("|---|---|---|---|")
+        for ch, m in mem.items():
+            print(f"| {ch} | {m['peak_mb']:.0f} | {m['added_mb']:.0f} | {m['added_mb'] - mem['plain']['added_mb']:+.0f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""The CKKS channel, server half: ``[channel] name = "ckks"`` (TenSEAL; the peer of the Paillier channel).
+
+Clients encrypt their whole trained model (floating entries) as CKKS vectors, 4096 values per ciphertext
+(``fedsim.crypto.ckks``); the server checks each payload with the public context alone
+(:meth:`CkksChannel.check_reply`), forms the weighted mean ``sum_i p_i x_i`` homomorphically with the rule's
+weights as real numbers (CKKS needs no integer weights: no ``precision``) and never decrypts: the global
+model it holds after round 1 is a ciphertext, which the clients decrypt at the start of the next round and
+a client evaluates. Why the model and not the update (as the Paillier channel): CKKS's error is absolute,
+about 1e-8 per value whatever the values' range (:func:`fedsim.crypto.ckks.error_bound` bounds it by 6.1e-7),
+so a model costs no precision and needs no state on the clients.
+
+The secret key never reaches the server: one client makes the key pair and seals the private context for
+the others (``fedsim.keydelivery``, as the Paillier channel's key). Parameters (fixed, 128-bit security):
+N = 8192, coefficient moduli 60/40/60 bits, scale 2**40 (docs/paillier.md, "The CKKS channel").
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from fedsim.components import CHANNELS
+from fedsim.crypto import ckks
+from fedsim.crypto.errors import IntegrityError
+from fedsim.keydelivery import SealedKeyServer
+from fedsim.protocol import ARRAYS, CHANNEL, ENCRYPT_SECONDS, PAYLOAD, arrays_record
+from fedsim.rounds import Reply, RoundContext
+from fedsim.seams import WEIGHTED_SUM, ChannelError, ModelSpec, ServerChannel
+
+_STATE_MAGIC = b"FSCS1"
+
+
+class CkksModel:
+    """The global model as the server holds it after round 1: a combined CKKS payload."""
+
+    def __init__(self, payload: bytes):
+        self.payload = payload
+
+
+@CHANNELS.register
+class CkksChannel(SealedKeyServer, ServerChannel):
+    """CKKS-encrypted weighted means (no parameters: the CKKS parameters are fixed at 128-bit security)."""
+
+    name = "ckks"
+    provides = frozenset({WEIGHTED_SUM})
+    key_name = "the CKKS key pair"
+
+    def __init__(self):
+        self.public_bytes: bytes | None = None
+        self.x0: list[np.ndarray] | None = None
+        self._metrics: dict[str, float] = {}
+
+    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
+        self.names = list(param_names)
+        self.setup_delivery(cfg, {"poly_modulus_degree": ckks.POLY_MODULUS_DEGREE,
+                                  "coeff_mod_bit_sizes": list(ckks.COEFF_MOD_BIT_SIZES),
+                                  "scale_bits": ckks.SCALE_BITS})
+
+    def initial(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        if self.x0 is None:
+            self.x0 = [np.asarray(a) for a in arrays]
+        return arrays
+
+    @property
+    def num_values(self) -> int:
+        return sum(int(a.size) for a in self.x0 if np.issubdtype(a.dtype, np.floating))
+
+    # ---- key delivery ---------------------------------------------------------------------------------
+    def accept_public_key(self, public: bytes) -> bytes:
+        try:
+            ctx = ckks.load_context(public)
+        except ValueError as exc:
+            raise RuntimeError(f"CKKS channel: the key holder's public context is unusable: {exc}") from None
+        if ctx.has_secret_key():
+            raise RuntimeError("CKKS channel: the key holder sent a context holding the secret key; refused")
+        self.public_bytes = bytes(public)
+        return ckks.fingerprint(public)
+
+    def handshake(self, ctx: RoundContext) -> None:
+        self._metrics = SealedKeyServer.handshake(self, ctx)
+
+    # ---- rounds -----------------------------------------------------------------------------------------
+    def outgoing(self, state: Any) -> dict[str, Any]:
+        if isinstance(state, CkksModel):
+            return {CHANNEL: self.channel_record(**{PAYLOAD: state.payload})}
+        return {ARRAYS: arrays_record(self.names, state), CHANNEL: self.channel_record()}
+
+    def check_payload(self, payload: bytes) -> None:
+        """A client's payload against the channel: the key fingerprint, the model's value count, one
+        fresh ciphertext (2 polynomials, both data primes, scale 2**40) per 4096 values, each readable with
+        the public context. Raises :class:`ChannelError` naming the field."""
+        try:
+            ckks.verify(self.public_bytes, payload, self.num_values)
+        except IntegrityError as exc:
+            raise ChannelError(f"payload rejected ({exc.field}): {exc}") from None
+
+    def check_reply(self, reply: Reply, model: ModelSpec) -> None:
+        """The per-reply check (``RoundEngine.check_reply``; see :meth:`check_payload`)."""
+        if not reply.has(CHANNEL) or PAYLOAD not in reply.record(CHANNEL):
+            raise ChannelError("the reply carries no ciphertexts")
+        rec = reply.record(CHANNEL)
+        payload = rec[PAYLOAD]
+        if not isinstance(payload, bytes):
+            raise ChannelError(f"payload rejected (type): {type(payload).__name__}, not bytes")
+        self.check_payload(payload)
+        reply.extra[PAYLOAD] = payload
+        v = rec.get(ENCRYPT_SECONDS)
+        if isinstance(v, float) and np.isfinite(v) and v >= 0:
+            reply.extra[ENCRYPT_SECONDS] = v
+
+    def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> CkksModel:
+        t0 = time.perf_counter()
+        total = float(sum(weights))
+        payload = ckks.combine(self.public_bytes, [r.extra[PAYLOAD] for r in replies],
+                               [float(w) / total for w in weights], self.num_values)
+        enc = [r.extra[ENCRYPT_SECONDS] for r in replies if ENCRYPT_SECONDS in r.extra]
+        self._metrics = {"combine_seconds": time.perf_counter() - t0, "payload_bytes": float(len(payload)),
+                         "encrypt_seconds_mean": float(np.mean(enc)) if enc else float("nan"),
+                         "error_bound": ckks.error_bound()}
+        return CkksModel(payload)
+
+    def plaintext(self, state: Any) -> list[np.ndarray] | None:
+        return None if isinstance(state, CkksModel) else state
+
+    def client_view(self, reply: Reply) -> dict[str, Any]:
+        return {"kind": "ciphertext", "payload": reply.extra.get(PAYLOAD)}
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._metrics)
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"run_tag": getattr(self, "run_tag", ""), "x0": list(self.x0 or []),
+                "public_key": np.frombuffer(self.public_bytes or b"", dtype=np.uint8)}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if len(state.get("public_key", ())) == 0:
+            raise ValueError("the checkpoint holds no CKKS public context (the key delivery never finished)")
+        self.run_tag = str(state["run_tag"])
+        self.accept_public_key(np.asarray(state["public_key"], dtype=np.uint8).tobytes())
+        self.x0 = [np.asarray(a) for a in state["x0"]]
+
+    def checkpoint_arrays(self, state: Any) -> list[np.ndarray]:
+        if isinstance(state, CkksModel):
+            return [np.frombuffer(_STATE_MAGIC + state.payload, dtype=np.uint8).copy()]
+        return list(state)
+
+    def from_checkpoint_arrays(self, arrays: list[np.ndarray]) -> Any:
+        if len(arrays) == 1 and arrays[0].dtype == np.uint8 and arrays[0][:len(_STATE_MAGIC)].tobytes() == _STATE_MAGIC:
+            return CkksModel(arrays[0].tobytes()[len(_STATE_MAGIC):])
+        return self.initial(arrays)
