@@ -73,6 +73,12 @@ def raises_when_loaded(root_size):
     raise KeyError("boom when loaded")
 
 
+def nan_images(root_size):
+    x = np.zeros((300, 1, 4, 4), np.float32)
+    x[7, 0, 1, 2] = np.nan
+    return {"x_train": x, "y_train": np.arange(300) % 2, "x_test": x[:3] * 0, "y_test": np.zeros(3, np.int64)}
+
+
 def tiny(root_size, n: int = 300):
     g = np.random.default_rng(0)
     return {"x_train": g.random((n, 1, 8, 8), np.float32), "y_train": g.integers(0, 2, n),
@@ -210,6 +216,7 @@ PLUGIN_FAILURES = [
     ('data.dataset="plugins.py:strings"', "data.dataset", "x_train must be a numeric array or tensor"),
     ('data.dataset="plugins.py:two_labels_each"', "data.dataset", "y_train must be one label per example (N,)"),
     ('data.dataset="plugins.py:raises_when_loaded"', "data.params", "building it raised KeyError: 'boom when loaded'"),
+    ('data.dataset="plugins.py:nan_images"', "data.dataset", "x_train holds 1 non-finite values (NaN or infinity)"),
 ]
 
 
@@ -232,6 +239,8 @@ def test_a_plugin_failing_at_run_time_is_one_line_and_leaves_nothing_half_way(cl
 
 # --------------------------------------------------------------------- values the config decides
 @pytest.mark.parametrize("sets,expected", [
+    (['channel.name="paillier"', "channel.key_bits=2047"], "channel.key_bits must be an even integer in [512, 8192]"),
+    (['channel.name="paillier"', "channel.key_bits=100000"], "channel.key_bits must be an even integer in [512, 8192]"),
     (['defenses=[{name="fedkl", key_length=100000000000}]'],
      "defenses[0] (fedkl): key_length must be an integer in [1, 65536]"),
     (['transforms=[{name="lossless-perturbation", multiplicative=[1e-300, 1e300]}]', 'model.name="mlp"',
@@ -240,7 +249,7 @@ def test_a_plugin_failing_at_run_time_is_one_line_and_leaves_nothing_half_way(cl
                                 "model with BatchNorm layers; this model (LeNet) has none"),
     (["model.imprint_bins=16", 'attack={name="robbing"}', "data.root_size=200"],
      "attack.name 'robbing' needs the server transform [[transforms]] name = 'robbing-imprint'"),
-], ids=["fedkl-key-length-1e11", "lossless-range-1e300", "ig-bn-without-batchnorm", "robbing-without-imprint"])
+], ids=["paillier-key-bits-odd", "paillier-key-bits-huge", "fedkl-key-length-1e11", "lossless-range-1e300", "ig-bn-without-batchnorm", "robbing-without-imprint"])
 def test_values_the_config_decides_are_refused_when_it_is_loaded(cli, sets, expected):
     code, err = _run(cli, *sets)
     assert code == 2 and expected in err, err
