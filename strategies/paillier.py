@@ -23,9 +23,9 @@ docs/paillier.md.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
-import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -68,6 +68,7 @@ from fedsim.protocol import (
 from fedsim.rounds import Reply, RoundContext
 from fedsim.seams import WEIGHTED_SUM, ChannelError, ModelSpec, ServerChannel
 
+log = logging.getLogger("fedsim")
 ENCRYPT = ("update", "model")
 
 _STATE_MAGIC = b"FSPS1"
@@ -137,8 +138,8 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
         elif self.slots not in (None, 1):
             raise ValueError(f"channel.slots must be 1 (or unset) without packing, got {self.slots}")
         if self.key_bits < DEFAULT_KEY_BITS:
-            warnings.warn(f"channel.key_bits = {self.key_bits} is below {DEFAULT_KEY_BITS}: fine for "
-                          "experiments, not for protecting anything", stacklevel=2)
+            log.warning("channel.key_bits = %d is below %d: fine for experiments, not for protecting anything",
+                        self.key_bits, DEFAULT_KEY_BITS)
 
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         self.names = list(param_names)
