@@ -11,11 +11,16 @@ recorded failures while the round aggregates the rest.
 """
 from __future__ import annotations
 
+import builtins
 import collections
 import functools
 import hashlib
+import io
 import json
+import os
+import pathlib
 import re
+import sys
 import types
 import warnings
 
@@ -549,15 +554,100 @@ def test_a_bad_range_exponent_or_a_dropout_fails_alone_under_the_automatic_clip(
 @pytest.mark.ray
 def test_paillier_fedavg_on_ray_matches_plain_fedavg(small_cfg, tmp_path):
     """seed 003 Table 4.3 shape: FedAvg with the Paillier channel on the real Ray simulation against plain
-    FedAvg (in-process: the two backends give identical metrics for a seed, see test_simulation_ray.py)."""
+    FedAvg (in-process: the two backends give identical metrics for a seed, see test_simulation_ray.py).
+    The run checkpoints every round, and the server process (this one: the clients are Ray actors) never
+    reads a byte of the clients' mirrored state, which holds their private keys."""
     sets = ("federation.rounds=3", "federation.num_clients=3", "train.lr=0.05")
     plain = run_experiment(small_cfg(*sets), out=tmp_path / "plain", progress=False)
-    enc = run_experiment(small_cfg(*sets, *paillier(), 'simulation.backend="ray"'), out=tmp_path / "enc",
-                         progress=False)
+    with _StateFileReads() as watch:
+        enc = run_experiment(small_cfg(*sets, *paillier(), 'simulation.backend="ray"'), out=tmp_path / "enc",
+                             progress=False)
+    assert json.loads((enc / "summary.json").read_text())["checkpoint"] == "after every round"
+    assert watch.reads == []
     a = read_jsonl(plain / "metrics.jsonl")[-1]["accuracy"]
     b = read_jsonl(enc / "metrics.jsonl")[-1]
     assert b["evaluated_by"].startswith("client ")
     assert abs(a - b["accuracy"]) <= 0.005, (a, b["accuracy"])
+
+
+# ------------------------------------------------------------------------- client-state files and the server
+class _StateFileReads:
+    """Every opening for reading of a mirrored client-state file (``client-state/p<k>-r<r>.bin``) in this
+    process while active, through ``open``/``io.open`` (``Path.read_bytes``, ``np.load``, ...) or
+    ``os.open``: ``(path, client_side)``, ``client_side`` when a frame of the ClientApp (fedsim/app/client.py
+    or clients/) is on the stack - in-process clients run in the server's process; on Ray any read here is
+    the server's."""
+
+    _NAME = re.compile(r"^p\d+-r\d+\.bin$")
+
+    def __init__(self):
+        self.reads: list[tuple[str, bool]] = []
+        self.paused = False
+        self._patch = pytest.MonkeyPatch()
+
+    def __enter__(self):
+        real_open, real_os_open = builtins.open, os.open
+
+        def watched_open(file, mode="r", *args, **kw):
+            if "r" in mode or "+" in mode:
+                self._note(file)
+            return real_open(file, mode, *args, **kw)
+
+        def watched_os_open(path, flags, *args, **kw):
+            if flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR):
+                self._note(path)
+            return real_os_open(path, flags, *args, **kw)
+
+        for module, name, fn in ((builtins, "open", watched_open), (io, "open", watched_open),
+                                 (os, "open", watched_os_open)):
+            self._patch.setattr(module, name, fn)
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+
+    def _note(self, file):
+        if self.paused or not isinstance(file, (str, bytes, os.PathLike)):
+            return
+        path = pathlib.Path(os.fsdecode(file))
+        if path.parent.name != "client-state" or not self._NAME.match(path.name):
+            return
+        frame, client = sys._getframe(2), False
+        while frame is not None and not client:
+            where = pathlib.PurePath(frame.f_code.co_filename).parts
+            client = where[-3:] == ("fedsim", "app", "client.py") or "clients" in where[-2:-1]
+            frame = frame.f_back
+        self.reads.append((str(path), client))
+
+    @property
+    def server_side(self) -> list[str]:
+        return [p for p, client in self.reads if not client]
+
+    @property
+    def client_side(self) -> list[str]:
+        return [p for p, client in self.reads if client]
+
+
+def test_the_state_file_watch_sees_every_way_of_reading(tmp_path):
+    """The watch the resume tests below rely on: reads through ``Path.read_bytes``, ``open``, ``np.load``'s
+    ``open`` and ``os.open`` are seen (as not the client's), other files and writes are not."""
+    folder = tmp_path / "client-state"
+    folder.mkdir()
+    state, other = folder / "p3-r12.bin", folder / "p3-r12.bin.sha256"
+    state.write_bytes(b"secret")
+    other.write_text("0" * 64)
+    with _StateFileReads() as watch:
+        state.read_bytes()
+        with open(state, "rb") as fh:
+            fh.read()
+        os.close(os.open(state, os.O_RDONLY))
+        with pytest.raises(ValueError):
+            np.load(state, allow_pickle=False)
+        other.read_text()
+        with open(folder / "p4-r1.bin", "wb") as fh:
+            fh.write(b"written, not read")
+    state.read_bytes()  # after the watch
+    assert watch.server_side == [str(state)] * 4 and watch.client_side == []
 
 
 # ------------------------------------------------------------------------------------------- resume
@@ -566,7 +656,9 @@ def test_an_encrypted_run_resumes_exactly(channel, small_cfg, tmp_path, monkeypa
     """issue 27: interrupted in round 3 of 3, a Paillier (update chain, automatic clip) or CKKS run resumes
     from its checkpoint - the server's ciphertexts, public key and holders; the clients' keys and models from
     the client-state mirror - and ends with the uninterrupted run's metrics (Paillier: exactly; CKKS: up to
-    its encryption noise, fresh in every run). The checkpoint holds no secret."""
+    its encryption noise, fresh in every run). The checkpoint holds no secret, and no server-side code reads
+    the clients' mirrored state (their private keys): the checkpoint records the digests the clients wrote
+    beside their files, and the resume check hashes the files in a separate process."""
     from test_reliability import _interrupt_in_training
 
     from fedsim.checkpoint import CHECKPOINT, read_checkpoint
@@ -576,18 +668,22 @@ def test_an_encrypted_run_resumes_exactly(channel, small_cfg, tmp_path, monkeypa
     ref = run_experiment(cfg, out=tmp_path / "reference", progress=False)
     out = tmp_path / "run"
     fired = _interrupt_in_training(monkeypatch, 3)
-    with pytest.raises(RunInterrupted):
-        run_experiment(cfg, out=out, progress=False)
-    assert fired
-    ckpt = read_checkpoint(out / CHECKPOINT)
-    assert ckpt.round == 2 and len(ckpt.arrays) == 1 and ckpt.arrays[0].dtype == np.uint8  # ciphertexts
-    st = {}
-    for f in (out / "client-state").iterdir():  # the clients' secret keys live in their mirrored state only
-        st.update({k: v for k, v in _mirrored_channel_state(f).items() if "private" in k})
-    assert st and not any(v in ckpt.arrays[0].tobytes() or v in json.dumps(ckpt.components, default=str).encode()
-                          for v in st.values())
-    monkeypatch.undo()
-    run_experiment(cfg, out=out, progress=False, resume=True)
+    with _StateFileReads() as watch:
+        with pytest.raises(RunInterrupted):
+            run_experiment(cfg, out=out, progress=False)
+        assert fired
+        ckpt = read_checkpoint(out / CHECKPOINT)
+        assert ckpt.round == 2 and len(ckpt.arrays) == 1 and ckpt.arrays[0].dtype == np.uint8  # ciphertexts
+        st = {}
+        watch.paused = True  # the test's own look into the clients' files
+        for f in (out / "client-state").glob("*.bin"):  # the clients' secret keys live in their mirrored state
+            st.update({k: v for k, v in _mirrored_channel_state(f).items() if "private" in k})
+        watch.paused = False
+        assert st and not any(v in ckpt.arrays[0].tobytes() or v in json.dumps(ckpt.components, default=str).encode()
+                              for v in st.values())
+        monkeypatch.undo()
+        run_experiment(cfg, out=out, progress=False, resume=True)
+    assert watch.server_side == [] and len(watch.client_side) >= 3  # the in-process clients restored theirs
     timing = ("seconds", "inline_obfuscators")
     rows_a, rows_b = read_jsonl(ref / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rows_a] == [r["round"] for r in rows_b] == [0, 1, 2, 3]

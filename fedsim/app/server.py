@@ -51,7 +51,7 @@ from fedsim.checkpoint import (
     CLIENT_STATE,
     Checkpoint,
     CheckpointError,
-    DigestCache,
+    client_state_digests,
     config_identity,
     keep_client_states,
     metrics_prefix,
@@ -194,7 +194,6 @@ class Server:
         self.prior_seconds = resume.seconds if resume is not None else 0.0
         self.resumed = [*resume.resumed, resume.round] if resume is not None else []
         self.client_state_dropped = list(resume.client_state_dropped) if resume is not None else []
-        self._digests = DigestCache()
         self._t_start = time.perf_counter()
 
     # ---- the round-end step ----------------------------------------------------------------------------
@@ -303,7 +302,7 @@ class Server:
         ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.checkpoint_arrays(state)),
                           components=components, rng=rng_state(), failures=list(engine.failures),
                           seconds=self.elapsed(), resumed=self.resumed, metrics_bytes=size, metrics_digest=digest,
-                          client_state=self._digests.digests(mirror, rnd),
+                          client_state=client_state_digests(mirror, rnd),  # (the clients' digests)
                           client_state_dropped=self.client_state_dropped)
         write_checkpoint(self.out / CHECKPOINT, ckpt)
         keep_client_states(mirror, ckpt.client_state)  # superseded files (and any a late client wrote) go
