@@ -5,6 +5,8 @@ server, seed 002's curious client (``curious-client``) and the curious server's 
 (``curious-server-mia``, :mod:`attacks.membership_server`) in :data:`fedsim.components.OBSERVERS`:
 
 * ``dlg``  - Deep Leakage from Gradients (Zhu et al. 2019), labels optimised jointly;
+* ``dlg-original`` - DLG with the original's settings (one start from N(0, 1), 300 L-BFGS steps of up to
+  20 iterations, no early stop): the DLG seed 003 compares GRNN against;
 * ``idlg`` - DLG with labels inferred from the gradient (Zhao et al. 2020);
 * ``cpl``  - the CPL attack of seed 001 (geometric initialisation, label regulariser, threshold stop);
 * ``ig``   - Inverting Gradients (Geiping et al. 2020), optionally FedAvg-aware;
@@ -13,7 +15,7 @@ server, seed 002's curious client (``curious-client``) and the curious server's 
 * ``ig-fr`` - seed 004's attack: IG + feature-matching regulariser + untrained-CNN image prior;
 * ``robbing`` - Robbing the Fed (Fowl et al. 2022): a *malicious* server's imprint module.
 
-Each attack's defaults are the strongest measured setting at a stated budget (docs/benchmarks.md,
+Each attack's defaults (``dlg-original`` aside) are the strongest measured setting at a stated budget (docs/benchmarks.md,
 "Attack strength"). Build one by name with :func:`build_attack`; run it on an :class:`AttackInput`, or
 on all victims of a round at once with :meth:`Attack.run_many` (one stacked optimisation per group of
 victims that share the global model; :mod:`attacks.batched`).

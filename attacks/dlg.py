@@ -193,6 +193,24 @@ class DLG(Attack):
 
 
 @register
+class DLGOriginal(DLG):
+    """DLG as in the original (Zhu et al. 2019's code; the DLG seed 003's Table 3.6 compares against):
+    one attempt from N(0, 1) dummy data and label logits (``randn``), L-BFGS with learning rate 1 and
+    history 100 without a line search, and the original's budget: 300 ``torch.optim.LBFGS`` steps of
+    PyTorch's default ``max_iter=20`` iterations, i.e. at most 6,000 iterations here (one objective
+    evaluation each; the L-BFGS trajectory is the same, the optimiser's state carries over between
+    steps). No stall stop (``patience`` = the budget); like the original, which ends a step when the
+    loss changes by less than 1e-9, it stops at an exact match (``tol``), where more steps cannot change
+    the images. A preset of :class:`DLG`: only these defaults differ, every parameter can be set."""
+
+    name = "dlg-original"
+    default_init = "randn"
+
+    def __init__(self, iterations: int = 300 * 20, restarts: int = 1, patience: int | None = 300 * 20, **kwargs):
+        super().__init__(iterations=iterations, restarts=restarts, patience=patience, **kwargs)
+
+
+@register
 class IDLG(DLG):
     """iDLG: DLG with the label inferred from the last layer's gradient (``labels="idlg"``)."""
 

@@ -53,6 +53,7 @@ class FedKLKnowledge(Knowledge):
         entry = fedkl_entry(cfg)
         self.blocks = keylock.check_blocks(entry.get("blocks", keylock.DEFAULT_BLOCKS))
         self.key_length = int(entry.get("key_length", keylock.DEFAULT_KEY_LENGTH))
+        self.activation = keylock.check_activation(entry.get("lock_activation", "none"))  # public, like the rest
         if key and entry.get("key_source", "seeded") != "seeded":
             raise ValueError("key = true needs the fedkl defense's key_source = \"seeded\" (an \"os\" key cannot "
                              "be re-created)")
@@ -83,11 +84,12 @@ class FedKLKnowledge(Knowledge):
     def grant(self, inp: AttackInput, update: ClientUpdate) -> AttackInput:
         key = self.victim_key(update.client_id)
         start, end = self.leaked_lock(update) if self.lock else ({}, {})
-        base_fn, blocks, lock, seed = inp.model_fn, self.blocks, self.lock, self.seed
+        base_fn, blocks, lock, seed, act = inp.model_fn, self.blocks, self.lock, self.seed, self.activation
 
         def model_fn() -> torch.nn.Module:
             m = base_fn()
-            keylock.lock_model(m, key, blocks, lock_state=start if lock else None, init_seed=None if lock else seed)
+            keylock.lock_model(m, key, blocks, lock_state=start if lock else None, init_seed=None if lock else seed,
+                               activation=act)
             if not lock:  # nothing to match them against: the lock layers stay out of the attack
                 for n, p in m.named_parameters():
                     if keylock.is_private(n):

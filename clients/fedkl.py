@@ -26,13 +26,23 @@ it). The initial lock is a function of the run seed (:func:`fedsim.models.keyloc
 thesis the server initialises the locked model once and distributes it, so only trained locks are
 secret.
 
-Evaluation (Table 5.1's "FedKL" and Table 5.3's client rows): with ``evaluate = "after"`` (default)
-each client reports the test accuracy of its own locked model after local training, with its own key,
-on the common test split (``own_key_accuracy``, ``own_key_loss``); ``"before"`` evaluates the
-received global model merged with the client's lock before training (what the thesis's code logs);
-``"none"`` skips it. The defense asks the server for the ``fedkl-random-key`` observer
-(:mod:`fedsim.keylock_eval`): the global model with a random key and the initial lock (Table 5.3's
-"Random" row) in every ``metrics.jsonl`` row.
+Evaluation (Table 5.1's "FedKL" and Table 5.3's client rows), on the common test split with the
+client's own key: ``"before"`` local training - the received global model merged with the client's
+lock, as the thesis measures it (its code tests each client's model before the round's local epoch) -
+reported as ``own_key_accuracy`` / ``own_key_loss``; ``"after"`` local training - the client's own
+trained model - as ``own_key_after_training_accuracy`` / ``own_key_after_training_loss``. ``evaluate =
+"both"`` (default) reports both, ``"none"`` neither. The defense asks the server for the
+``fedkl-random-key`` observer (:mod:`fedsim.keylock_eval`): the global model with a random key and the
+initial lock (Table 5.3's "Random" row), the clients' mean, min and max and the thesis's Table 5.1
+number (the best per-round mean over the clients) in every ``metrics.jsonl`` row.
+
+Two options follow the public FedKL code where it differs from the thesis's equations:
+``lock_activation = "relu"`` puts a ReLU after the lock layers (gamma, beta >= 0; default ``"none"``,
+the linear lock of the equations), and ``average_norm_stats = true`` averages the running statistics of
+a normalisation the lock *inserts* (a block that had none, e.g. the thesis's LeNet) with FedAvg: the
+architecture every party shares (:meth:`FedKL.global_model`) then has a statistics-only BatchNorm
+there, which each client's lock replaces (default false: those statistics stay on the client). A
+BatchNorm the lock *replaces* has its statistics averaged either way, as a base-model entry.
 
 ``leak_lock = true`` is a threat-model *ablation* (Table 5.7's "Lock"): the reply then also carries
 the lock's weights at the start and at the end of the round as extra arrays named
@@ -52,7 +62,8 @@ from fedsim.keylock_eval import RandomKeyEvaluation, check_model
 from fedsim.models import keylock
 
 KEY_SOURCES = ("seeded", "os")
-EVALUATE = ("after", "before", "none")
+EVALUATE = ("both", "before", "after", "none")
+_SUFFIX = {"before": "", "after": "_after_training"}  # own_key<suffix>_accuracy / _loss
 _KEY = "key"
 _ENTRY = "entry."
 
@@ -61,13 +72,16 @@ _ENTRY = "entry."
 class FedKL(Defense):
     """Key-lock module kept on the client. Parameters: ``blocks`` (``"first"``, ``"all"`` or a list of
     normalisation-layer indices/names), ``key_length`` (1024), ``key_source`` (``"seeded"`` | ``"os"``),
-    ``evaluate`` (``"after"`` | ``"before"`` | ``"none"``), ``leak_lock`` (ablation only)."""
+    ``evaluate`` (``"both"`` | ``"before"`` | ``"after"`` | ``"none"``), ``lock_activation``
+    (``"none"`` | ``"relu"`` | another model activation), ``average_norm_stats`` (false),
+    ``leak_lock`` (ablation only)."""
 
     name = "fedkl"
 
     def __init__(self, blocks: str | list[Any] = keylock.DEFAULT_BLOCKS,
                  key_length: int = keylock.DEFAULT_KEY_LENGTH, key_source: str = "seeded",
-                 evaluate: str = "after", leak_lock: bool = False, cfg: Mapping[str, Any] | None = None):
+                 evaluate: str = "both", lock_activation: str = "none", average_norm_stats: bool = False,
+                 leak_lock: bool = False, cfg: Mapping[str, Any] | None = None):
         self.blocks = keylock.check_blocks(blocks)
         if isinstance(key_length, bool) or not isinstance(key_length, int) or key_length < 1:
             raise ValueError(f"key_length must be an integer >= 1, got {key_length!r}")
@@ -76,6 +90,8 @@ class FedKL(Defense):
         if evaluate not in EVALUATE:
             raise ValueError(f"evaluate must be one of {list(EVALUATE)}, got {evaluate!r}")
         self.key_length, self.key_source, self.evaluate = int(key_length), key_source, evaluate
+        self.lock_activation = keylock.check_activation(lock_activation)
+        self.average_norm_stats = bool(average_norm_stats)
         self.leak_lock = bool(leak_lock)
         self.cfg = cfg
         if cfg is not None:
@@ -97,15 +113,27 @@ class FedKL(Defense):
             return np.random.default_rng(secrets.randbits(128)).random(self.key_length).astype(np.float32)
         return keylock.client_key(int(self._need_cfg()["seed"]), client, self.key_length)
 
-    def _evaluate(self, model: nn.Module, ctx: DefenseContext) -> None:
+    @classmethod
+    def global_model(cls, model: nn.Module, params: Mapping[str, Any]) -> nn.Module:
+        """With ``average_norm_stats``: a statistics-only BatchNorm in every locked slot that has no
+        normalisation, so that its running statistics are base-model entries (sent and averaged)."""
+        if params.get("average_norm_stats"):
+            keylock.add_statistics_slots(model, params.get("blocks", keylock.DEFAULT_BLOCKS))
+        return model
+
+    def _evaluate(self, model: nn.Module, ctx: DefenseContext, when: str) -> None:
+        """The locked model with the client's own key on the common test split (``when``: before or
+        after local training)."""
         from fedsim.factories import dataset_for
         from fedsim.training import evaluate
 
+        if self.evaluate not in ("both", when):
+            return
         ds = dataset_for(self._need_cfg())
         was_training = model.training
         loss, acc = evaluate(model, ds.x_test, ds.y_test, ctx.device)
         model.train(was_training)
-        self._metrics.update(own_key_accuracy=acc, own_key_loss=loss)
+        self._metrics.update({f"own_key{_SUFFIX[when]}_accuracy": acc, f"own_key{_SUFFIX[when]}_loss": loss})
 
     # ---- stages -------------------------------------------------------------------------------------
     def adapt_model(self, model: nn.Module, ctx: DefenseContext) -> nn.Module:
@@ -117,7 +145,8 @@ class FedKL(Defense):
         key = np.asarray(key, dtype=np.float32)
         if key.shape != (self.key_length,):
             raise ValueError(f"fedkl: the stored key has shape {key.shape}, key_length is {self.key_length}")
-        keylock.lock_model(model, key, self.blocks, init_seed=int(self._need_cfg()["seed"]))
+        keylock.lock_model(model, key, self.blocks, init_seed=int(self._need_cfg()["seed"]),
+                           activation=self.lock_activation)
         saved = {k[len(_ENTRY):]: v for k, v in ctx.state.items() if k.startswith(_ENTRY)}
         private = self._private(model)
         if saved:  # the client's own lock (and inserted running statistics) from its last round
@@ -133,8 +162,7 @@ class FedKL(Defense):
         n_lock = keylock.lock_parameter_count(model)
         self._metrics = {"lock_parameters": float(n_lock),
                          "lock_fraction": n_lock / max(sum(p.numel() for p in model.parameters()), 1)}
-        if self.evaluate == "before":
-            self._evaluate(model, ctx)
+        self._evaluate(model, ctx, "before")
         return model
 
     def _private(self, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -146,8 +174,7 @@ class FedKL(Defense):
         for k, v in self._private(model).items():
             ctx.state[_ENTRY + k] = v.detach().cpu().numpy().copy()
         self._end = {k: v.detach().cpu().numpy().copy() for k, v in keylock.lock_entries(model).items()}
-        if self.evaluate == "after":
-            self._evaluate(model, ctx)
+        self._evaluate(model, ctx, "after")
 
     def reply_extras(self, ctx: DefenseContext) -> dict[str, np.ndarray]:
         if not self.leak_lock:
@@ -160,4 +187,5 @@ class FedKL(Defense):
         return dict(self._metrics)
 
     def server_observers(self) -> list[dict[str, Any]]:
-        return [{"name": RandomKeyEvaluation.name, "blocks": self.blocks, "key_length": self.key_length}]
+        return [{"name": RandomKeyEvaluation.name, "blocks": self.blocks, "key_length": self.key_length,
+                 "lock_activation": self.lock_activation}]

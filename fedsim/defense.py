@@ -61,6 +61,14 @@ class Defense:
     def validate_config(self, cfg: Mapping[str, Any]) -> None:
         """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
 
+    @classmethod
+    def global_model(cls, model: nn.Module, params: Mapping[str, Any]) -> nn.Module:
+        """The architecture every party shares when this defense is configured: called by
+        :func:`fedsim.factories.model_for` (the server's global model, the clients' received model, the
+        attacker's) with the ``[[defenses]]`` entry (``params``; validated when the config is loaded).
+        Default: unchanged. (``adapt_model`` changes the client's own copy only.)"""
+        return model
+
     def adapt_model(self, model: nn.Module, ctx: DefenseContext) -> nn.Module:
         """The model to train this round (default: the global model as received)."""
         return model

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from fedsim.components import DEFENSES
 from fedsim.data import Dataset, load_dataset, partition
 from fedsim.models import build_model
 from fedsim.protocol import config_text
@@ -82,7 +83,11 @@ def client_validation_data(cfg: Mapping[str, Any], partition_id: int) -> tuple[t
 
 
 def model_for(cfg: Mapping[str, Any]) -> torch.nn.Module:
-    """A fresh model of the config's architecture (weights from the current torch RNG state)."""
+    """A fresh model of the config's architecture (weights from the current torch RNG state).
+
+    Every party builds its model here (the server's global model, the clients' received model, the
+    attacker's), so a configured defense that changes the architecture all of them share does it here
+    (:meth:`fedsim.defense.Defense.global_model`, e.g. FedKL's averaged lock statistics)."""
     ds = dataset_for(cfg)
     m = cfg["model"]
     model = build_model(m["name"], ds.in_shape, ds.num_classes, activation=m.get("activation"), norm=m.get("norm"),
@@ -92,4 +97,9 @@ def model_for(cfg: Mapping[str, Any]) -> torch.nn.Module:
         from fedsim.models.imprint import build_imprinted
 
         model = build_imprinted(model, ds.in_shape, int(m["imprint_bins"]))
+    for i, entry in enumerate(cfg.get("defenses") or ()):
+        if isinstance(entry, Mapping) and entry.get("name") in DEFENSES:
+            hook = getattr(DEFENSES.lookup(entry["name"], f"defenses[{i}].name"), "global_model", None)
+            if hook is not None:
+                model = hook(model, entry)
     return model

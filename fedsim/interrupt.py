@@ -46,10 +46,14 @@ class RunInterrupted(KeyboardInterrupt):
     """The run was stopped by SIGINT or SIGTERM (a ``KeyboardInterrupt``, so ``except Exception`` in
     client or Flower code does not swallow it)."""
 
-    def __init__(self, signame: str = "SIGINT", completed_round: int | None = None):
+    def __init__(self, signame: str = "SIGINT", completed_round: int | None = None, *,
+                 before_first_round: bool = False):
         super().__init__(signame)
         self.signame = signame
         self.completed_round = completed_round
+        #: a run stopped before its first round (round 0, the initial evaluation) was recorded: during
+        #: start-up (Ray, discovery, the channel's setup); its folder holds no round to continue from
+        self.before_first_round = before_first_round and completed_round is None
 
     @property
     def exit_code(self) -> int:
@@ -57,7 +61,8 @@ class RunInterrupted(KeyboardInterrupt):
         return 128 + int(getattr(signal, self.signame, signal.SIGINT))
 
     def __str__(self) -> str:
-        done = "" if self.completed_round is None else f" after round {self.completed_round}"
+        done = f" after round {self.completed_round}" if self.completed_round is not None else (
+            " before any round completed" if self.before_first_round else "")
         return f"interrupted by {self.signame}{done}"
 
 

@@ -199,9 +199,12 @@ def write_report(out: Path, cfg: Mapping[str, Any], rows: Sequence[Mapping[str, 
     final_text = "-" if final is None else f"{final:.4f}"
     status = summary.get("status", "completed")
     status_line = [] if status == "completed" else [
-        f"- **status: {status}** after round {summary.get('completed_round')}"
+        f"- **status: {status}** "
+        + (f"after round {summary['completed_round']}" if summary.get("completed_round") is not None
+           else "before any round completed")
         + (f" ({summary['error']})" if summary.get("error") else "")
-        + (f"; resume with `fedsim run --resume {out}`" if summary.get("resumable") else "")]
+        + (f"; resume with `fedsim run --resume {out}`" if summary.get("resumable") else
+           f"; start it again with `fedsim run --resume {out}`" if summary.get("completed_round") is None else "")]
     text = [f"# fedsim run: {cfg['name']}\n",
             f"- strategy **{cfg['strategy']['name']}**, {fed['rounds']} rounds, {fed['num_clients']} clients "
             f"({fed['clients_per_round'] or fed['num_clients']} per round)",

@@ -71,6 +71,10 @@ class DiscoveryError(RuntimeError):
     """Not every configured client could be reached."""
 
 
+def _is_finite_number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+
+
 def sample_partitions(seed: int, round: int, partitions: Sequence[int], k: int) -> list[int]:
     """``k`` partitions (all when k <= 0), drawn from (seed, round) only."""
     parts = sorted(partitions)
@@ -356,8 +360,7 @@ class RoundEngine:
                     bound: int | None = None) -> int:
         """An example count a client reported: a positive integer up to ``federation.max_examples`` (per
         client a reply stands for). Returns it as an int; raises :class:`InvalidReply`."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or value != int(value):
+        if not _is_finite_number(value) or value != int(value):
             raise InvalidReply(f"{key} must be a positive integer, got {value!r}")
         n, most = int(value), (bound or self.max_examples) * max(1, contributors)
         if n < 1:
@@ -365,17 +368,28 @@ class RoundEngine:
         if n > most:
             where = "federation.max_examples" if self.cfg["federation"].get("max_examples") else \
                 "the training set's size (federation.max_examples unset)"
+            if bound is not None and bound != self.max_examples:  # an evaluation: the test split may be larger
+                where = f"the larger of {where} and the test split's size"
             raise InvalidReply(f"{key} = {n} is above {where} = {bound or self.max_examples}"
                                + (f" x {contributors} contributors" if contributors > 1 else ""))
         return n
 
+    @staticmethod
+    def check_metrics(reply: Reply, *keys: str) -> dict[str, Any]:
+        """The reply's metrics: a MetricRecord holding ``keys``; raises :class:`InvalidReply`."""
+        if not reply.has(METRICS):
+            raise InvalidReply("the reply carries no metrics record")
+        if not isinstance(reply.record(METRICS), MetricRecord):
+            raise InvalidReply(f"the reply's metrics are a {type(reply.record(METRICS)).__name__}, not a MetricRecord")
+        missing = [k for k in keys if k not in reply.metrics]
+        if missing:
+            raise InvalidReply(f"the reply's metrics lack {', '.join(missing)}")
+        return reply.metrics
+
     def check_reply(self, reply: Reply, sent: Sequence[np.ndarray] | None) -> None:
         """Everything a train reply must satisfy before anything uses it (see the class docstring); raises
         :class:`InvalidReply`. ``sent``: the plaintext model the clients received (for the norm bound)."""
-        if not reply.has(METRICS) or not isinstance(reply.record(METRICS), MetricRecord):
-            raise InvalidReply("the reply carries no metrics record")
-        if NUM_EXAMPLES not in reply.metrics:
-            raise InvalidReply(f"the reply's metrics lack {NUM_EXAMPLES}")
+        self.check_metrics(reply, NUM_EXAMPLES)
         reply.num_examples = self.check_count(reply.metrics[NUM_EXAMPLES], contributors=len(reply.contributors))
         if reply.has(EXTRAS):  # the defenses' extra arrays: observers and transforms decode them
             extras = reply.record(EXTRAS)
@@ -400,15 +414,18 @@ class RoundEngine:
                                    f"= {self.max_update_norm:g}")
 
     def check_evaluation(self, reply: Reply) -> None:
-        """An ``evaluate`` reply: a finite loss, an accuracy in [0, 1], a positive example count."""
-        m = reply.metrics
-        for key in (EVAL_LOSS, EVAL_ACCURACY):
-            v = m.get(key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise InvalidReply(f"{key} must be a finite number, got {v!r}")
-        if not 0 <= m[EVAL_ACCURACY] <= 1:
-            raise InvalidReply(f"{EVAL_ACCURACY} must be in [0, 1], got {m[EVAL_ACCURACY]!r}")
-        self.check_count(m.get(EVAL_EXAMPLES), EVAL_EXAMPLES, bound=self.max_eval_examples)
+        """An ``evaluate`` reply: a metrics record with a finite loss >= 0 (the evaluation's cross-entropy
+        never is negative), an accuracy in [0, 1] and a positive example count (at most the larger of
+        ``federation.max_examples`` and the test split)."""
+        m = self.check_metrics(reply, EVAL_LOSS, EVAL_ACCURACY, EVAL_EXAMPLES)
+        loss, acc = m[EVAL_LOSS], m[EVAL_ACCURACY]
+        if not _is_finite_number(loss) or loss < 0:
+            raise InvalidReply(f"{EVAL_LOSS} must be a finite number >= 0, got {loss!r}")
+        if not _is_finite_number(acc):
+            raise InvalidReply(f"{EVAL_ACCURACY} must be a finite number, got {acc!r}")
+        if not 0 <= acc <= 1:
+            raise InvalidReply(f"{EVAL_ACCURACY} must be in [0, 1], got {acc!r}")
+        self.check_count(m[EVAL_EXAMPLES], EVAL_EXAMPLES, bound=self.max_eval_examples)
 
     def check_global(self, server_round: int, state: Any) -> None:
         """Raise :class:`NonFiniteModel` if the new global model (when the server can read it) is not finite."""

@@ -5,7 +5,8 @@
 * a folder that does not exist, or is empty, gets a fresh run;
 * a folder holding a run of the same config (same :func:`fedsim.checkpoint.config_identity`) is
   continued: from its checkpoint when it has one (``action = "resume"``), or reported complete when its
-  ``summary.json`` says so (``action = "complete"``; nothing is run again);
+  ``summary.json`` says so (``action = "complete"``; nothing is run again), or started again when it
+  holds no completed round (stopped during start-up: also with ``--resume``);
 * any other non-empty folder is refused, unless ``overwrite``, which clears it first - and only if it
   is a fedsim folder (it holds ``.fedsim.lock`` or ``config.toml``): a folder fedsim did not make is
   never cleared.
@@ -37,6 +38,7 @@ from fedsim.checkpoint import (
 from fedsim.components import ConfigError
 
 LOCK = ".fedsim.lock"
+NOTHING_COMPLETED = "cleared (nothing completed)"  # a Decision's note: this config's run, no round to continue
 SUMMARY = "summary.json"
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
@@ -146,9 +148,9 @@ def decide(path: Path, cfg: Mapping[str, Any] | None, overwrite: bool = False, r
         why = summary.get("checkpoint") or "no checkpoint.npz"
         raise RunFolderError(f"{what} {path} holds an unfinished run of this config that cannot be resumed "
                              f"({why}); use --overwrite to start it again")
-    if resume:
-        raise RunFolderError(f"--resume {path}: the run there has no completed round to resume from")
-    return Decision("fresh", note="cleared (nothing completed)")
+    # nothing of value (stopped during start-up, or before round 1 without a checkpoint): the run starts
+    # again from the beginning, also on --resume (what a scheduler that requeues a stopped job asks for)
+    return Decision("fresh", note=NOTHING_COMPLETED)
 
 
 class RunFolder:

@@ -200,6 +200,21 @@ def test_dlg_batch4_recognisable():
     assert np.mean(ssims) > 0.6, ssims
 
 
+def test_dlg_original_is_a_preset_of_dlg():
+    """``dlg-original`` (the DLG seed 003's Table 3.6 compares against) is DLG with the original's
+    settings and nothing else: the same reconstruction as ``dlg`` given them explicitly (one start from
+    N(0, 1), no stall stop within the budget); on a batch-4 LeNet-5 update it makes one attempt and uses
+    its whole (short) budget. Its default budget is the original's 300 steps x 20 L-BFGS iterations."""
+    inp, _, _, _ = make_victim(range(200, 204), model="lenet5")
+    preset = build_attack("dlg-original", iterations=40).run(inp)
+    explicit = build_attack("dlg", iterations=40, restarts=1, patience=40, init="randn").run(inp)
+    torch.testing.assert_close(preset.inputs, explicit.inputs, rtol=0, atol=0)
+    assert preset.trace["attempts"] == 1 and preset.trace["iterations"] == 40 and preset.trace["stopped"] is None
+    dlg, original = build_attack("dlg"), build_attack("dlg-original")
+    assert (original.iterations, original.restarts, original.init) == (6000, 1, "randn")
+    assert (dlg.restarts, dlg.init) == (4, "random")
+
+
 # ------------------------------------------------------------------ CPL
 def test_cpl_patterned_converges_faster_than_random_dlg():
     """Iterations to reach gradient distance 1e-4 (not converged = the 300 cap), averaged over

@@ -11,16 +11,19 @@ non-finite ends ``failed``, never ``completed``.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hostile import TamperedEvaluation
 
 from fedsim.app.client import client_app
 from fedsim.app.runner import run_experiment
 from fedsim.app.server import Server
 from fedsim.components import ConfigError
 from fedsim.inprocess import InProcessGrid
+from fedsim.protocol import EVAL_ACCURACY, EVAL_EXAMPLES, EVAL_LOSS
 
 HOSTILE = str(Path(__file__).with_name("hostile.py"))
 BASE = ("federation.rounds=2", "train.local_steps=1")
@@ -286,3 +289,84 @@ def test_a_killed_client_actor_is_restarted_and_the_run_is_unchanged(small_cfg, 
     timing = {"seconds", "observer_seconds", "startup_seconds", "train_seconds"}
     assert [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(out / "metrics.jsonl")] == \
         [{k: v for k, v in r.items() if k not in timing} for r in read_jsonl(reference / "metrics.jsonl")]
+
+
+# ------------------------------------------------------------------------------------- evaluate replies
+# (what, key, value, what the recorded reason says)
+EVAL_CASES = [
+    ("set", EVAL_LOSS, float("nan"), "eval_loss must be a finite number >= 0, got nan"),
+    ("set", EVAL_LOSS, float("inf"), "eval_loss must be a finite number >= 0, got inf"),
+    ("set", EVAL_LOSS, -1.0, "eval_loss must be a finite number >= 0, got -1.0"),
+    ("set", EVAL_ACCURACY, float("nan"), "eval_accuracy must be a finite number, got nan"),
+    ("set", EVAL_ACCURACY, 1.5, "eval_accuracy must be in [0, 1], got 1.5"),
+    ("set", EVAL_ACCURACY, -0.25, "eval_accuracy must be in [0, 1], got -0.25"),
+    ("set", EVAL_ACCURACY, [0.5, 0.5], "eval_accuracy must be a finite number, got [0.5, 0.5]"),
+    ("set", EVAL_EXAMPLES, -5, "eval_examples = -5: a client's count of examples must be at least 1"),
+    ("set", EVAL_EXAMPLES, 0, "eval_examples = 0: a client's count of examples must be at least 1"),
+    ("set", EVAL_EXAMPLES, 10 ** 12, "eval_examples = 1000000000000 is above"),
+    ("set", EVAL_EXAMPLES, 2.5, "eval_examples must be a positive integer, got 2.5"),
+    ("drop", EVAL_LOSS, None, "the reply's metrics lack eval_loss"),
+    ("drop", EVAL_ACCURACY, None, "the reply's metrics lack eval_accuracy"),
+    ("drop", EVAL_EXAMPLES, None, "the reply's metrics lack eval_examples"),
+    ("no-metrics", "", None, "the reply carries no metrics record"),
+    ("as-text", "", None, "the reply's metrics are a ConfigRecord, not a MetricRecord"),
+]
+CLIENT_EVAL = ("evaluate.client_fraction=1.0", "train.local_steps=1")
+CLIENT_COLUMNS = ("client_accuracy", "client_loss", "client_accuracy_min", "client_accuracy_max", "client_evaluators")
+
+
+def _run_app(cfg, app):
+    server = Server(cfg, None, [], progress=False)
+    server.run(InProcessGrid(app, cfg["federation"]["num_clients"]))
+    return server
+
+
+def test_a_hostile_client_side_evaluation_is_its_clients_failure_and_changes_no_client_metric(small_cfg):
+    """Client-side evaluation (each of 6 clients evaluates the global model on its own data): in rounds 1-4
+    clients 1-4 answer with the 16 hostile evaluate replies (NaN, inf or negative loss, NaN accuracy or
+    outside [0, 1], a list, example counts -5, 0, 10^12, 2.5, a metric missing, no metrics, metrics as
+    text), clients 0 and 5 honestly. Each is that client's recorded failure in that round, and every
+    client_* column of every round is the one of the same run in which those clients' evaluations simply
+    fail."""
+    slots = [(r, c) for r in range(1, 5) for c in range(1, 5)]
+    assert len(slots) == len(EVAL_CASES)
+    cfg = small_cfg(*CLIENT_EVAL, "federation.rounds=4", "federation.num_clients=6")
+    hostile = _run_app(cfg, TamperedEvaluation(client_app, {s: c[:3] for s, c in zip(slots, EVAL_CASES)}))
+    honest = _run_app(cfg, TamperedEvaluation(client_app, {s: ("raise", "", None) for s in slots}))
+    failures = hostile.engine.failures
+    assert [(f["round"], f["client"], f["stage"]) for f in failures] == \
+        [(f["round"], f["client"], f["stage"]) for f in honest.engine.failures] == \
+        [(r, c, "client-evaluate") for r, c in slots]
+    for f, (_, _, _, reason) in zip(failures, EVAL_CASES):
+        assert f["reason"].startswith("invalid reply: ") and reason in f["reason"], (reason, f["reason"])
+    for got, expected in zip(hostile.rows[1:], honest.rows[1:]):
+        assert {k: got[k] for k in CLIENT_COLUMNS} == {k: expected[k] for k in CLIENT_COLUMNS}
+        assert got["client_evaluators"] == 2 and 0 <= got["client_accuracy"] <= 1
+    assert [r["accuracy"] for r in hostile.rows] == [r["accuracy"] for r in honest.rows]
+
+
+def test_a_huge_finite_evaluation_loss_does_not_overflow_the_client_loss(small_cfg):
+    """A loss of 1e308 is a number (accepted): the example-weighted mean stays finite (it was computed as
+    sum(loss x count) / sum(count) and overflowed to inf, written to metrics.jsonl as 'Infinity')."""
+    cfg = small_cfg(*CLIENT_EVAL, "federation.rounds=1")
+    server = _run_app(cfg, TamperedEvaluation(client_app, {(1, 2): ("set", EVAL_LOSS, 1e308)}))
+    assert server.engine.failures == [] and server.rows[1]["client_evaluators"] == 4
+    assert math.isfinite(server.rows[1]["client_loss"]) and server.rows[1]["client_loss"] > 1e306
+
+
+@pytest.mark.parametrize("case", [EVAL_CASES[3], EVAL_CASES[9], EVAL_CASES[14]], ids=["nan-accuracy", "huge-count",
+                                                                                   "no-metrics"])
+def test_a_hostile_evaluation_for_the_server_is_its_clients_failure_and_the_next_client_evaluates(small_cfg, case):
+    """Under Paillier the server cannot read the global model: a client evaluates it on the common test
+    split for the server (the first contributor, client 0). A hostile reply is client 0's recorded
+    failure ('evaluate') and the next client evaluates: the round's accuracy is the honest one."""
+    cfg = small_cfg('data.dataset="breast-cancer"', 'model.name="mlp"', "model.hidden=[8]", "train.lr=0.05",
+                    "train.local_steps=1", "federation.rounds=1", 'channel.name="paillier"', "channel.key_bits=512")
+    hostile = _run_app(cfg, TamperedEvaluation(client_app, {(1, 0): case[:3]}))
+    honest = _run_app(cfg, TamperedEvaluation(client_app, {(1, 0): ("raise", "", None)}))
+    assert [(f["round"], f["client"], f["stage"]) for f in hostile.engine.failures] == [(1, 0, "evaluate")]
+    assert hostile.engine.failures[0]["reason"].startswith("invalid reply: ") and case[3] in \
+        hostile.engine.failures[0]["reason"]
+    assert hostile.rows[1]["evaluated_by"] == honest.rows[1]["evaluated_by"] == "client 1"
+    assert hostile.rows[1]["accuracy"] == honest.rows[1]["accuracy"] and 0 <= hostile.rows[1]["accuracy"] <= 1
+    assert hostile.rows[1]["loss"] == honest.rows[1]["loss"]

@@ -56,6 +56,20 @@ def test_lenet_defaults_to_sigmoid_and_activation_option():
     assert nn.LeakyReLU in _types(leaky)
 
 
+def test_lenet5_is_the_grnn_victim():
+    """Seed 003's LeNet-5: 5x5 convolutions without padding (6, 16 channels), each with a sigmoid and 2x2
+    max-pooling, fully connected 120 and 84 with sigmoids, then the classifier (28x28: 16x4x4 features;
+    32x32: 16x5x5, the thesis's)."""
+    for shape, flat in (((1, 28, 28), 16 * 4 * 4), ((3, 32, 32), 16 * 5 * 5)):
+        model = build_model("lenet5", shape, 10)
+        convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+        assert [(c.out_channels, c.kernel_size, c.padding) for c in convs] == [(6, (5, 5), (0, 0)), (16, (5, 5), (0, 0))]
+        assert sum(isinstance(m, nn.MaxPool2d) for m in model.modules()) == 2
+        linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        assert [(lin.in_features, lin.out_features) for lin in linears] == [(flat, 120), (120, 84), (84, 10)]
+        assert sum(isinstance(m, nn.Sigmoid) for m in model.modules()) == 4 and nn.ReLU not in _types(model)
+
+
 @pytest.mark.parametrize("name", IMAGE_MODELS)
 def test_norm_option_adds_or_removes_batchnorm(name):
     with_bn = build_model(name, (3, 32, 32), 10, norm="batch")
@@ -84,7 +98,8 @@ def test_width_option():
     assert sum(p.numel() for p in wide.parameters()) > sum(p.numel() for p in narrow.parameters())
 
 
-@pytest.mark.parametrize("name,shape", [("lenet", (1, 28, 28)), ("convnet", (3, 32, 32)), ("mlp", (30,))])
+@pytest.mark.parametrize("name,shape", [("lenet", (1, 28, 28)), ("lenet5", (1, 28, 28)), ("convnet", (3, 32, 32)),
+                                        ("mlp", (30,))])
 def test_uniform_init_in_range(name, shape):
     torch.manual_seed(0)
     model = build_model(name, shape, 10, init="uniform")

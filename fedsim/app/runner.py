@@ -22,19 +22,21 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from fedsim import progress
 from fedsim.app import build_components
+from fedsim.checkpoint import CHECKPOINT
 from fedsim.config import check_data, dump_toml
 from fedsim.factories import model_for
 from fedsim.interrupt import RunInterrupted, StopSignal, handle_signals
 from fedsim.observers import Observer
 from fedsim.protocol import num_nodes
 from fedsim.reports import atomic_write_text, new_run_dir
-from fedsim.runfolder import RunFolderError, open_run_folder, read_summary
+from fedsim.runfolder import NOTHING_COMPLETED, RunFolderError, open_run_folder, read_summary
 from fedsim.training import torch_threads
 
 log = logging.getLogger("fedsim")
@@ -135,6 +137,9 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
         if ckpt is not None:
             print(f"[fedsim] {run_dir} holds this run: resuming after round {ckpt.round} "
                   "(--overwrite starts it again)", file=sys.stderr)
+        elif resume and folder.decision.note == NOTHING_COMPLETED:
+            print(f"[fedsim] {run_dir} holds this run with no completed round: starting it again",
+                  file=sys.stderr)
         atomic_write_text(run_dir / "config.toml", dump_toml(cfg))
         quiet_logs()
         stop = stop if stop is not None else StopSignal()
@@ -145,7 +150,9 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
                 _run_ray(cfg, run_dir, observers, show, stop, ckpt)
     except RunInterrupted as exc:
         exc.run_dir = run_dir  # type: ignore[attr-defined]
-        if exc.completed_round is not None and cfg["output"].get("checkpoint", True):
+        # `--resume` continues from the checkpoint of the last completed round, or, when no round
+        # completed, starts the run again; a run that cannot checkpoint gets no hint (summary: resumable)
+        if exc.before_first_round or (run_dir / CHECKPOINT).is_file():
             exc.resume_hint = f"fedsim run --resume {run_dir}"  # type: ignore[attr-defined]
         raise
     except BaseException as exc:
@@ -198,7 +205,8 @@ def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
 
     class TrackedRayBackend(original):  # type: ignore[misc, valid-type]
         def init_ray(self, backend_config: Any) -> None:
-            super().init_ray(backend_config)
+            with ray_keeps_signal_handlers():
+                super().init_ray(backend_config)
             stop.install()
 
         def build(self, app_fn: Any) -> None:
@@ -216,6 +224,30 @@ def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
         yield
     finally:
         raybackend.RayBackend = original
+
+
+@contextlib.contextmanager
+def ray_keeps_signal_handlers() -> Iterator[None]:
+    """While the block runs, ``ray.init`` does not install its own SIGTERM handler in the driver: Ray's
+    (``sys.exit(15)``) would hold SIGTERM for the seconds - a minute and more on a loaded machine - that
+    Ray takes to start, and a SIGTERM then ended the process with exit code 15, no line, and a summary
+    written behind the runner's back. fedsim's handler stays, so such a SIGTERM stops the run like any
+    other (:mod:`fedsim.interrupt`). Ray sets it through ``ray._private.utils.set_sigterm_handler``
+    (Ray 2.x); without that function, nothing is changed (the handler is put back after ``init_ray``)."""
+    try:
+        from ray._private import utils as ray_utils
+    except ImportError:  # pragma: no cover - another Ray layout
+        yield
+        return
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None:  # pragma: no cover
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
 
 
 def kill_client_actors(backends: Sequence[Any], quiet: bool = True) -> int:
@@ -239,6 +271,38 @@ def kill_client_actors(backends: Sequence[Any], quiet: bool = True) -> int:
     return killed
 
 
+#: seconds the runner waits for the ServerApp thread to write its summary once Flower's engine is gone
+SERVER_EXIT_WAIT = 120.0
+
+
+class _ServerLoop:
+    """Whether the ServerApp's main function runs: Flower runs it in a thread it does not join, and its
+    engine can return or die while the server loop still runs (or has not started). :meth:`engine_gone`
+    makes the runner wait until the loop has stopped and written the run's files (``summary.json``)
+    before it reads them, decides what to keep and unlocks the folder - not behind its back - and a loop
+    that had not started yet does not start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = self._gone = False
+        self.done = threading.Event()
+
+    def enter(self) -> bool:
+        """The server loop may start (False: the engine is already gone)."""
+        with self._lock:
+            self._started = not self._gone
+            return self._started
+
+    def engine_gone(self, stop: StopSignal) -> None:
+        with self._lock:
+            self._gone = True
+            running = self._started and not self.done.is_set()
+        if running:
+            stop.request("engine-stopped")  # a server loop still waiting on the dead engine gives up
+            if not self.done.wait(SERVER_EXIT_WAIT):  # it stops at its next safe point (a poll interval)
+                log.error("the ServerApp thread did not stop within %.0f s of the engine's end", SERVER_EXIT_WAIT)
+
+
 def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
@@ -249,10 +313,13 @@ def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
     errors: list[BaseException] = []
     stopped: list[RunInterrupted] = []
     backends: list[Any] = []
+    loop = _ServerLoop()
     server_app = ServerApp()
 
     @server_app.main()
     def _main(grid, context) -> None:
+        if not loop.enter():
+            return
         if hasattr(grid, "pull_interval"):
             grid.pull_interval = PULL_INTERVAL
         try:
@@ -263,6 +330,8 @@ def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
         except BaseException as exc:  # re-raised in the caller: run_simulation would only log it
             errors.append(exc)
             raise
+        finally:
+            loop.done.set()
 
     import torch
 
@@ -279,10 +348,13 @@ def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
             run_simulation(server_app=server_app, client_app=client_app,
                            num_supernodes=node_count(cfg), backend_config=_backend_config(cfg))
     except BaseException:
-        stop.request("engine-stopped")  # a server thread still waiting on the dead engine gives up
+        loop.engine_gone(stop)
+        if stopped and stopped[0].signame.startswith("SIG"):  # the engine died of the user's signal
+            raise stopped[0] from None
         raise
     finally:
         torch.set_num_threads(threads)
+    loop.engine_gone(stop)
     if stopped:
         raise stopped[0]
     if errors:

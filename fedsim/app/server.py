@@ -88,6 +88,7 @@ from fedsim.reports import (
     write_report,
 )
 from fedsim.rounds import RoundContext, RoundEngine, RoundRecord, sample_partitions
+from fedsim.runfolder import read_summary
 from fedsim.seams import ModelSpec
 from fedsim.training import derive_seed, evaluate, get_weights, resolve_device, seed_everything, set_weights
 
@@ -228,8 +229,9 @@ class Server:
             return {"client_evaluators": 0}
         accs = [float(r.metrics[EVAL_ACCURACY]) for r in replies]
         n = [float(r.metrics[EVAL_EXAMPLES]) for r in replies]
-        return {"client_accuracy": sum(a * w for a, w in zip(accs, n)) / sum(n),
-                "client_loss": sum(float(r.metrics[EVAL_LOSS]) * w for r, w in zip(replies, n)) / sum(n),
+        share = [w / sum(n) for w in n]  # weights summing to 1: a huge (finite) loss cannot overflow the mean
+        return {"client_accuracy": sum(a * w for a, w in zip(accs, share)),
+                "client_loss": sum(float(r.metrics[EVAL_LOSS]) * w for r, w in zip(replies, share)),
                 "client_accuracy_min": min(accs), "client_accuracy_max": max(accs),
                 "client_evaluators": len(replies)}
 
@@ -372,11 +374,11 @@ class Server:
     def _run(self, grid: Grid, started_at: float | None) -> dict[str, Any]:
         self._t_start = time.perf_counter() if started_at is None else started_at
         cfg, engine, stop = self.cfg, self.engine, self.stop
-        stop.bind_current_thread()
         mirror = self.out / CLIENT_STATE if self.checkpointing else None
         grid = RunGrid(grid, stop, mirror, self.resume.round if self.resume is not None else None)
         try:
-            stop.check()
+            stop.bind_current_thread()  # (in the main thread the handler raises from here on: inside the try)
+            stop.check()  # a signal during start-up (Ray starting, the ServerApp thread not yet running)
             for obs in self.observers:
                 obs.on_start(self.out)
             n = cfg["federation"]["num_clients"]
@@ -411,33 +413,56 @@ class Server:
         except KeyboardInterrupt as exc:
             signame = exc.signame if isinstance(exc, RunInterrupted) else "SIGINT"
             self._stopped("interrupted" if signame.startswith("SIG") else "failed", signame=signame)
-            raise RunInterrupted(signame, self.completed) from None
+            raise self._interrupted(signame) from None
         except CheckpointError:
             raise  # the checkpoint does not fit: the folder stays as the interrupted run left it
         except Exception as exc:
             if stop.requested:  # e.g. Ray's processes died of the terminal's SIGINT before the server saw it
-                self._stopped("interrupted", signame=stop.signame)
-                raise RunInterrupted(stop.signame or "SIGINT", self.completed) from None
+                signame = stop.signame or "SIGINT"
+                self._stopped("interrupted" if signame.startswith("SIG") else "failed", signame=signame)
+                raise self._interrupted(signame) from None
             self._stopped("failed", error=f"{type(exc).__name__}: {exc}".splitlines()[0][:500],
                           trace=traceback.format_exc())
             raise
+        finally:
+            stop.server_thread = None  # the loop is over: a signal from now on only records the stop
+
+    def last_round(self) -> int | None:
+        """The last completed round the run folder holds: a resumed run's checkpoint round until the
+        checkpoint is restored (after discovery), then the rounds this run completed; None if none."""
+        if self.completed is None and self.resume is not None:
+            return self.resume.round
+        return self.completed
+
+    def _interrupted(self, signame: str) -> RunInterrupted:
+        last = self.last_round()
+        return RunInterrupted(signame, last, before_first_round=last is None)
 
     def _stopped(self, status: str, signame: str | None = None, error: str | None = None,
                  trace: str | None = None) -> None:
-        """Write the files of a run that stopped early, describing its last completed round."""
+        """Write the files of a run that stopped early, describing its last completed round (none: a run
+        stopped during start-up says so, ``completed_round`` null). A late first signal changes nothing
+        here (it is only recorded: the run already stops). A resumed run stopped before it restored its
+        checkpoint leaves the folder as the previous stop left it, describing the checkpoint's round,
+        and records only this stop's status in ``summary.json``."""
         if self.out is None:
             return
+        with self.stop.shielded(raise_pending=False):
+            self._write_stopped(status, signame, error, trace)
+
+    def _write_stopped(self, status: str, signame: str | None, error: str | None, trace: str | None) -> None:
+        extra = {k: v for k, v in (("stopped_by", signame), ("error", error), ("traceback", trace)) if v}
         try:
+            if self.resume is not None and self.completed is None:  # the checkpoint was not restored yet
+                previous = read_summary(self.out)
+                if previous is not None:
+                    for key in ("stopped_by", "error", "traceback"):
+                        previous.pop(key, None)
+                    write_json(self.out / "summary.json", {**previous, "status": status, **extra})
+                return
             if self._committed_observers is not None:  # observers back to the last completed round
                 for obs, st in zip(self.observers, self._committed_observers):
                     obs.load_state(st)
-            extra: dict[str, Any] = {}
-            if signame:
-                extra["stopped_by"] = signame
-            if error:
-                extra["error"] = error
-            if trace:
-                extra["traceback"] = trace
             self.finish(self.committed, self.elapsed(), status=status, extra=extra)
         except Exception as exc:  # noqa: BLE001 - the original error matters more
             log.error("could not write the summary of the %s run: %s", status, exc)

@@ -1,4 +1,4 @@
-"""Model zoo used by the papers: DLG/CPL/GRNN LeNet, seed 000's ConvNet, CIFAR ResNets, ResNet-18, MLP.
+"""Model zoo used by the papers: DLG/CPL LeNet, GRNN's LeNet-5, seed 000's ConvNet, CIFAR ResNets, ResNet-18, MLP.
 
 Every constructor takes the input shape and the number of classes, plus ``activation``
 (sigmoid / tanh / relu / leakyrelu) and ``norm`` (none / batch) where the papers vary them.
@@ -50,6 +50,31 @@ class LeNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.features(x).flatten(1))
+
+
+class LeNet5(nn.Module):
+    """LeNet-5 with max-pooling, the victim of seed 003's GRNN experiments (thesis ch. 3, the GRNN code's
+    ``LeNet``): two 5x5 convolutions without padding (6 and 16 channels), each followed by the activation
+    and 2x2 max-pooling, then fully connected layers of 120 and 84 units with the activation, and the
+    classifier. Sigmoid by default (the thesis replaces every ReLU by a sigmoid, as DLG does); build it
+    with ``init="uniform"`` for the U(-0.5, 0.5) weights the thesis's attacks use. 28x28 inputs give
+    16x4x4 features before the first fully connected layer (the thesis: 32x32, 16x5x5).
+    """
+
+    def __init__(self, in_shape: Sequence[int], num_classes: int, activation: str = "sigmoid", norm: str = "none"):
+        super().__init__()
+        c, h, w = in_shape
+        self.features = nn.Sequential(
+            nn.Conv2d(c, 6, 5), _norm2d(norm, 6), _act(activation), nn.MaxPool2d(2),
+            nn.Conv2d(6, 16, 5), _norm2d(norm, 16), _act(activation), nn.MaxPool2d(2),
+        )
+        with torch.no_grad():
+            n = self.features(torch.zeros(1, c, h, w)).numel()
+        self.classifier = nn.Sequential(nn.Linear(n, 120), _act(activation), nn.Linear(120, 84), _act(activation))
+        self.fc = nn.Linear(84, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.classifier(self.features(x).flatten(1)))
 
 
 class ConvNet(nn.Module):
@@ -161,7 +186,7 @@ class MLP(nn.Module):
         return self.fc(self.body(x))
 
 
-MODELS = ("lenet", "convnet", "resnet20", "resnet32", "resnet18", "mlp")
+MODELS = ("lenet", "lenet5", "convnet", "resnet20", "resnet32", "resnet18", "mlp")
 BUILTIN_ONLY = ("activation", "norm", "width", "hidden")  # [model] keys of the built-in models
 
 
@@ -215,10 +240,12 @@ def build_model(name: str, in_shape: Sequence[int], num_classes: int, *, activat
     if norm is not None:
         kw["norm"] = norm
     image = len(in_shape) == 3
-    if name in ("lenet", "convnet", "resnet20", "resnet32", "resnet18") and not image:
+    if name in ("lenet", "lenet5", "convnet", "resnet20", "resnet32", "resnet18") and not image:
         raise ValueError(f"model.name {name!r} needs image data (C, H, W), got input shape {tuple(in_shape)}")
     if name == "lenet":
         model: nn.Module = LeNet(in_shape, num_classes, width=width or 12, **kw)
+    elif name == "lenet5":
+        model = LeNet5(in_shape, num_classes, **kw)
     elif name == "convnet":
         model = ConvNet(in_shape, num_classes, width=width or 16, **kw)
     elif name in ("resnet20", "resnet32", "resnet18"):

@@ -8,7 +8,9 @@ fully connected *lock* layers fed a private *key* sequence ``k`` (length 1024 by
     gamma = W_gamma . k + b_gamma   lock layer "keylock_gamma" (nn.Linear(key_length, C))
     beta  = W_beta  . k + b_beta    lock layer "keylock_beta"  (nn.Linear(key_length, C))
 
-The thesis's equations are linear (no activation after the lock layers) and so is this module.
+The thesis's equations are linear (no activation after the lock layers) and so is this module by
+default; the public FedKL code applies a ReLU to gamma and beta (``activation="relu"``; any activation
+of :data:`fedsim.models.ACTIVATIONS`).
 
 :func:`lock_model` puts :class:`KeyLockNorm` modules, in place, into chosen normalisation slots of a
 built model (default: the first, i.e. the first convolution-normalisation block, as in all of the
@@ -20,6 +22,9 @@ puts after a convolution when ``norm = "none"``:
   like any other buffer, and its affine ``weight``/``bias`` disappear from the locked model;
 * an empty slot (LeNet with ``norm = "none"``) gets a new normalisation: the thesis's LeNet experiment,
   whose plain LeNet has no normalisation and whose locked LeNet normalises its first block only.
+  :func:`add_statistics_slots` instead puts a statistics-only BatchNorm (affine off) into such a slot
+  of the *shared* architecture, so that its running statistics travel and are averaged like the
+  replaced BatchNorm's (FedKL's ``average_norm_stats``; the public FedKL code averages them).
 
 Every key-lock entry of a locked model's state dict has a name part starting with :data:`MARK`
 (``keylock_``): ``<block>.keylock_key`` (the key buffer), ``<block>.keylock_gamma.weight|bias`` and
@@ -70,7 +75,20 @@ def is_private(name: str) -> bool:
     return any(part.startswith(MARK) for part in name.split("."))
 
 
-class KeyLockNorm(_BatchNorm):
+class StatisticsNorm(_BatchNorm):
+    """Batch normalisation without scale and shift, on (N, C), (N, C, L) or (N, C, H, W) inputs: a lock
+    block's normalisation in the architecture every party shares (:func:`add_statistics_slots`)."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
+                 track_running_stats: bool = True):
+        super().__init__(num_features, eps, momentum, affine=False, track_running_stats=track_running_stats)
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"{type(self).__name__} expects (N, C, ...) input, got shape {tuple(x.shape)}")
+
+
+class KeyLockNorm(StatisticsNorm):
     """Batch normalisation (affine off) followed by ``gamma * x + beta`` from the key and two lock layers.
 
     Works on (N, C), (N, C, L) and (N, C, H, W) inputs like the BatchNorm it replaces. The key is a
@@ -78,23 +96,25 @@ class KeyLockNorm(_BatchNorm):
     """
 
     def __init__(self, num_features: int, key_length: int = DEFAULT_KEY_LENGTH, eps: float = 1e-5,
-                 momentum: float | None = 0.1, track_running_stats: bool = True):
-        super().__init__(num_features, eps, momentum, affine=False, track_running_stats=track_running_stats)
+                 momentum: float | None = 0.1, track_running_stats: bool = True, activation: str = "none"):
+        super().__init__(num_features, eps, momentum, track_running_stats)
         if key_length < 1:
             raise ValueError(f"key_length must be an integer >= 1, got {key_length}")
         self.key_length = int(key_length)
         self.register_buffer(KEY, torch.zeros(key_length))
         self.keylock_gamma = nn.Linear(key_length, num_features)
         self.keylock_beta = nn.Linear(key_length, num_features)
-
-    def _check_input_dim(self, x: torch.Tensor) -> None:
-        if x.dim() < 2:
-            raise ValueError(f"KeyLockNorm expects (N, C, ...) input, got shape {tuple(x.shape)}")
+        self.activation = check_activation(activation)
+        if activation != "none":  # (no module otherwise: an nn.Identity here would look like a norm slot)
+            self.lock_act = _activations()[activation]()
 
     def scale_shift(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gamma, beta), each of shape (C,), for the current key and lock."""
         key = getattr(self, KEY)
-        return self.keylock_gamma(key), self.keylock_beta(key)
+        gamma, beta = self.keylock_gamma(key), self.keylock_beta(key)
+        if self.activation != "none":
+            gamma, beta = self.lock_act(gamma), self.lock_act(beta)
+        return gamma, beta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
@@ -103,7 +123,22 @@ class KeyLockNorm(_BatchNorm):
         return y * gamma.view(shape) + beta.view(shape)
 
     def extra_repr(self) -> str:
-        return f"{self.num_features}, key_length={self.key_length}, eps={self.eps}, momentum={self.momentum}"
+        return (f"{self.num_features}, key_length={self.key_length}, eps={self.eps}, momentum={self.momentum}, "
+                f"activation={self.activation}")
+
+
+def _activations() -> dict:
+    from fedsim.models import ACTIVATIONS
+
+    return ACTIVATIONS
+
+
+def check_activation(activation: Any) -> str:
+    """Validate a lock activation: ``"none"`` (the thesis's linear lock) or a model activation name."""
+    names = ["none", *sorted(_activations())]
+    if activation not in names:
+        raise ValueError(f"lock_activation must be one of {names}, got {activation!r}")
+    return activation
 
 
 def _is_slot_owner(m: nn.Module) -> bool:
@@ -190,8 +225,20 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+def add_statistics_slots(model: nn.Module, blocks: Any = "first") -> list[str]:
+    """Put a statistics-only BatchNorm (affine off) into each empty slot (``nn.Identity``) that
+    ``blocks`` picks, in place; returns their module names. :func:`lock_model` then replaces them like any
+    BatchNorm, keeping their running statistics under the base model's names."""
+    names = [n for n in select_blocks(model, blocks) if isinstance(model.get_submodule(n), nn.Identity)]
+    dev = next((p.device for p in model.parameters()), torch.device("cpu"))
+    for name in names:
+        _set_module(model, name, StatisticsNorm(_features_before(model, name)).to(dev).train(model.training))
+    return names
+
+
 def lock_model(model: nn.Module, key: np.ndarray | torch.Tensor, blocks: Any = "first", *,
-               lock_state: Mapping[str, Any] | None = None, init_seed: int | None = None) -> list[str]:
+               lock_state: Mapping[str, Any] | None = None, init_seed: int | None = None,
+               activation: str = "none") -> list[str]:
     """Embed key-lock modules into ``model`` in place; returns the locked blocks' module names.
 
     A chosen BatchNorm becomes a :class:`KeyLockNorm` with the same running statistics and settings (its
@@ -201,6 +248,7 @@ def lock_model(model: nn.Module, key: np.ndarray | torch.Tensor, blocks: Any = "
     (a 1-D array) is loaded into every locked block. The lock weights come from ``lock_state``
     (state-dict names, as :func:`lock_entries` returns them) when given, else from :func:`init_lock`
     with ``init_seed`` (PyTorch's initialisation from the global RNG when that is None too).
+    ``activation`` goes after the lock layers (:class:`KeyLockNorm`; default none, as in the thesis).
     """
     names = select_blocks(model, blocks)
     key_t = torch.as_tensor(np.asarray(key), dtype=torch.float32).flatten()
@@ -208,7 +256,8 @@ def lock_model(model: nn.Module, key: np.ndarray | torch.Tensor, blocks: Any = "
         old = model.get_submodule(name)
         if isinstance(old, _BatchNorm):
             dev = old.running_mean.device if old.running_mean is not None else torch.device("cpu")
-            kl = KeyLockNorm(old.num_features, len(key_t), old.eps, old.momentum, old.track_running_stats).to(dev)
+            kl = KeyLockNorm(old.num_features, len(key_t), old.eps, old.momentum, old.track_running_stats,
+                             activation).to(dev)
             with torch.no_grad():
                 if old.track_running_stats:
                     kl.running_mean.copy_(old.running_mean)
@@ -216,7 +265,7 @@ def lock_model(model: nn.Module, key: np.ndarray | torch.Tensor, blocks: Any = "
                     kl.num_batches_tracked.copy_(old.num_batches_tracked)
         else:
             dev = next((p.device for p in model.parameters()), torch.device("cpu"))
-            kl = KeyLockNorm(_features_before(model, name), len(key_t)).to(dev)
+            kl = KeyLockNorm(_features_before(model, name), len(key_t), activation=activation).to(dev)
         with torch.no_grad():
             getattr(kl, KEY).copy_(key_t.to(dev))
         kl.train(model.training)
