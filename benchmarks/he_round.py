@@ -252,7 +252,7 @@ def main() -> None:
     results = {b: run_backend(b, args) for b in args.backends}
     mem = {}
     if args.memory:
-        for ch in CHANNELS:
+        for ch in [c for c in args.channels if c in CHANNELS]:  # variants: not measured apart
             out = subprocess.run([sys.executable, __file__, "--memory-child", ch, "--clients", str(args.clients),
                                   "--key-bits", str(args.key_bits), "--epochs", str(args.epochs)],
                                  capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -274,6 +274,13 @@ def main() -> None:
             print(f"| {name} | {r['median_s']:.2f} | {r['ratio_of_medians']:.2f}x | {r['median_ratio']:.2f}x "
                   f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['cpu_s']:.2f} ({r['cpu_ratio']:.2f}x) | {enc} | "
                   f"{comb} | {size} |")
+        print("\nwhere the round goes (medians, s): each exchange from send to its last reply, and the server's "
+              "own work\n")
+        print("| channel | " + " | ".join(PHASES) + " | server |")
+        print("|---|" + "---|" * (len(PHASES) + 1))
+        for name, r in rows.items():
+            print(f"| {name} | " + " | ".join(f"{r.get(f'{ph} s', 0.0):.2f}" for ph in PHASES)
+                  + f" | {r['server s']:.2f} |")
         print()
     if mem:
         print("resident memory, one process per channel (in-process, setup + 2 rounds):\n")
