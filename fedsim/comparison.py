@@ -16,6 +16,7 @@ compare RUN...`` (existing run or sweep folders). Everything is read back from r
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -25,6 +26,7 @@ import numpy as np
 from fedsim.privacy_utility import plot_privacy_utility, privacy_columns
 from fedsim.reports import md_table, read_jsonl
 
+log = logging.getLogger("fedsim")
 ID_COLUMNS = ("variant", "run", "seed", "seeds", "runs", "n")
 
 
@@ -222,9 +224,38 @@ def run_folders(path: str | Path) -> list[tuple[str, list[Path]]]:
                      "(sweep.jsonl); an unfinished run has no summary.json yet")
 
 
+def _setting(run_dir: Path) -> dict[str, Any]:
+    """What makes two runs comparable: their length (the last round in metrics.jsonl), seed and dataset
+    (from the run's resolved ``config.toml``; missing: None)."""
+    import tomllib
+
+    try:
+        cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        cfg = {}
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    return {"rounds": rows[-1]["round"] if rows else None, "seed": cfg.get("seed"),
+            "dataset": (cfg.get("data") or {}).get("dataset")}
+
+
+def mismatches(groups: Sequence[tuple[str, Sequence[str | Path]]]) -> list[str]:
+    """One line for each of length (rounds), seeds and dataset in which the compared entries differ: their
+    final numbers then differ for that reason too. A sweep variant's entry stands for all its seeds."""
+    settings = {label: [_setting(Path(d)) for d in dirs] for label, dirs in groups}
+    out = []
+    for key, what in (("rounds", "length (rounds)"), ("seed", "seeds"), ("dataset", "dataset")):
+        per = {label: sorted({s[key] for s in ss}, key=str) for label, ss in settings.items()}
+        if len({tuple(v) for v in per.values()}) > 1:
+            shown = [f"{label}: {', '.join(map(str, v))}" for label, v in per.items()]
+            out.append(f"the compared runs differ in {what}: " + "; ".join(shown[:8])
+                       + (f"; ... ({len(shown) - 8} more)" if len(shown) > 8 else ""))
+    return out
+
+
 def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparison") -> list[dict[str, Any]]:
     """``fedsim compare``: rows (mean ± std over a sweep variant's seeds), ``comparison.md``,
-    ``comparison.csv`` and ``comparison.png`` in ``out``. Returns the rows."""
+    ``comparison.csv`` and ``comparison.png`` in ``out``. Entries that differ in length, seeds or dataset
+    (:func:`mismatches`) get a warning on the fedsim log and in ``comparison.md``. Returns the rows."""
     from fedsim.export import write_csv
     from fedsim.reports import atomic_write_text
 
@@ -234,6 +265,9 @@ def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparis
     labels = [g[0] for g in groups]
     groups = [(f"{lab} [{i}]" if labels.count(lab) > 1 else lab, dirs) for i, (lab, dirs) in enumerate(groups)]
     rows = [mean_std_rows(label, [run_row(label, d) for d in dirs]) for label, dirs in groups]
+    warnings = mismatches(groups)
+    for w in warnings:
+        log.warning("compare: %s", w)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plot_comparison(groups, rows, out / "comparison.png", title)
@@ -244,6 +278,7 @@ def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparis
             "Accuracy/loss: the global model on the test set after the last round; leakage columns: mean over "
             "the attacked updates; `round_seconds`: median wall time of rounds >= 2. Sweep variants with several "
             "seeds show mean ± sample standard deviation.\n",
+            *(f"**Warning:** {w}.\n" for w in warnings),
             comparison_table(rows, cols, table_formats(cols)),
             "\n![comparison](comparison.png)\n", *figures,
             "Runs: " + ", ".join(f"{label}: " + ", ".join(str(d) for d in dirs) for label, dirs in groups) + "\n"]

@@ -144,7 +144,7 @@ def _load_file_module(path: str, what: str) -> types.ModuleType:
 
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(full):
-        raise ConfigError(f"{what}: plugin file {path!r} does not exist")
+        raise ConfigError(f"{what}: {_no_file(path)}")
     stem = "".join(c if c.isalnum() else "_" for c in os.path.splitext(os.path.basename(full))[0])
     name = f"fedsim_plugin_{stem}_{hashlib.sha1(full.encode()).hexdigest()[:10]}"
     if name in sys.modules:
@@ -160,6 +160,29 @@ def _load_file_module(path: str, what: str) -> types.ModuleType:
         del sys.modules[name]
         raise
     return module
+
+
+def reference_file(ref: Any) -> str | None:
+    """The file an import reference names (``"path/file.py:attribute"``), or None (a module reference or
+    a registered name)."""
+    if not is_reference(ref):
+        return None
+    mod = ref.rpartition(":")[0]
+    return mod if mod and (mod.endswith(".py") or "/" in mod or "\\" in mod) else None
+
+
+def _no_file(path: str) -> str:
+    return f"plugin file {path!r} does not exist"
+
+
+def missing_plugin_file(ref: Any) -> str | None:
+    """Why an import reference's file cannot be imported (it does not exist), or None. Imports nothing."""
+    import os
+
+    path = reference_file(ref)
+    if path is None or os.path.isfile(os.path.abspath(os.path.expanduser(path))):
+        return None
+    return _no_file(path)
 
 
 def is_reference(name: Any) -> bool:
@@ -178,7 +201,7 @@ def resolve_reference(ref: str, what: str) -> Any:
     try:
         if not mod or not attr:
             raise ValueError("expected 'module:attribute' or 'path/file.py:attribute'")
-        if mod.endswith(".py") or "/" in mod or "\\" in mod:
+        if reference_file(ref) is not None:
             obj: Any = _load_file_module(mod, what)
         else:
             obj = importlib.import_module(mod)
@@ -200,9 +223,7 @@ def absolute_reference(ref: Any, base: str | None = None) -> Any:
     if not is_reference(ref):
         return ref
     mod, _, attr = ref.rpartition(":")
-    if not mod:
-        return ref
-    if not (mod.endswith(".py") or "/" in mod or "\\" in mod) or os.path.isabs(os.path.expanduser(mod)):
+    if reference_file(ref) is None or os.path.isabs(os.path.expanduser(mod)):
         return ref
     return f"{os.path.abspath(os.path.join(base or os.getcwd(), os.path.expanduser(mod)))}:{attr}"
 

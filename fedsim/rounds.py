@@ -84,6 +84,18 @@ def sample_partitions(seed: int, round: int, partitions: Sequence[int], k: int) 
     return sorted(rng.choice(parts, size=k, replace=False).tolist())
 
 
+def mean_metrics(replies: Sequence[Reply]) -> dict[str, Any]:
+    """The replies' metrics, example-weighted (Flower's ``aggregate_metricrecords``). Flower sums
+    ``value * (n_i / N)``, which turns a value every client reports alike into a neighbour (1 step into
+    0.9999999999999999): a metric equal in every reply is that value, its type (an integer) kept."""
+    out = dict(aggregate_metricrecords([RecordDict({METRICS: r.record(METRICS)}) for r in replies], NUM_EXAMPLES))
+    for k in out:
+        values = [r.metrics.get(k) for r in replies]
+        if all(type(v) is type(values[0]) and v == values[0] for v in values) and not isinstance(values[0], list):
+            out[k] = values[0]
+    return out
+
+
 class Reply:
     """One valid client reply as the server holds it; arrays are decoded once, on first use.
 
@@ -477,8 +489,7 @@ class RoundEngine:
         if not replies:
             record.privacy = self.privacy.row() if self.privacy else {}
             return state, record
-        record.train_metrics = dict(aggregate_metricrecords(
-            [RecordDict({METRICS: r.record(METRICS)}) for r in replies], NUM_EXAMPLES))
+        record.train_metrics = mean_metrics(replies)
         new_state = self.rule.aggregate(ctx, replies)
         record.rule_metrics = dict(self.rule.metrics())
         if self.transforms:

@@ -344,7 +344,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
             dmetrics[NOISE_VARIANCE] = declared
         extras = runner.reply_extras()
     metrics = {TRAIN_LOSS: total_loss / max(seen, 1), TRAIN_ACCURACY: total_correct / max(seen, 1),
-               "local_steps": float(steps), "train_seconds": time.perf_counter() - t0, **dmetrics}
+               LOCAL_STEPS: steps, "train_seconds": time.perf_counter() - t0, **dmetrics}
     return TrainResult(weights, len(y), metrics, new_state, extras)
 
 

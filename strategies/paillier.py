@@ -23,9 +23,9 @@ docs/paillier.md.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
-import warnings
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -70,6 +70,7 @@ from fedsim.protocol import (
 from fedsim.rounds import Reply, RoundContext
 from fedsim.seams import WEIGHTED_SUM, ChannelError, InvalidReply, ModelSpec, ServerChannel
 
+log = logging.getLogger("fedsim")
 ENCRYPT = ("update", "model")
 BITS = {"update": 12, "model": 16}  # channel.bits when unset (docs/paillier.md: "Quantization and its error bound")
 
@@ -145,8 +146,8 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
         elif self.slots not in (None, 1):
             raise ValueError(f"channel.slots must be 1 (or unset) without packing, got {self.slots}")
         if self.key_bits < DEFAULT_KEY_BITS:
-            warnings.warn(f"channel.key_bits = {self.key_bits} is below {DEFAULT_KEY_BITS}: fine for "
-                          "experiments, not for protecting anything", stacklevel=2)
+            log.warning("channel.key_bits = %d is below %d: fine for experiments, not for protecting anything",
+                        self.key_bits, DEFAULT_KEY_BITS)
 
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         self.names = list(param_names)

@@ -209,3 +209,43 @@ def test_default_experiment_is_valid():
     cfg = load_config(DEFAULT_TOML)
     assert cfg["train"]["local_epochs"] and cfg["train"]["local_steps"] is None
     assert load_config(None, ["train.local_steps=1"])["train"]["local_steps"] == 1
+
+
+CHILD = """
+import json, sys
+from fedsim.app.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    rc = main(argv)
+    out.append([rc, sorted(m for m in ("torch", "flwr", "ray") if m in sys.modules)])
+print(json.dumps(out))
+"""
+
+
+def test_bad_keys_and_missing_files_are_reported_before_torch_flower_or_ray_is_imported(tmp_path):
+    """The first pass of validation (fedsim.config.precheck) imports nothing heavy: a typo in a key, a bad
+    value of the schema, a missing config or plugin file, in a run, a sweep or an experiment, exit 2 with
+    one line naming it while torch, Flower and Ray are still not imported (a fresh process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import child_pythonpath
+
+    cases = [(["run", "experiments/default.toml", "--set", "federation.bogus=1"], "federation.bogus"),
+             (["run", str(tmp_path / "missing.toml")], "missing.toml"),
+             (["run", "experiments/default.toml", "--set", 'defenses=[{name="no_such_plugin.py:Defense"}]'],
+              "defenses[0].name: plugin file"),
+             (["sweep", "experiments/defenses.toml", "--set", "train.lr=-1"], "train.lr must be >="),
+             (["experiment", "seed004-systematic", "--quick", "--set", "data.partition=diagonal"], "data.partition")]
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps([argv for argv, _ in cases])], cwd=root,
+                       env={**os.environ, "PYTHONPATH": child_pythonpath()}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.splitlines()[-1]) == [[2, []]] * len(cases)
+    errors = [x for x in p.stderr.splitlines() if x.startswith("fedsim: error:")]
+    assert len(errors) == len(cases)
+    for line, (_, what) in zip(errors, cases):
+        assert what in line, line

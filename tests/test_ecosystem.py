@@ -488,6 +488,34 @@ def test_sweep_over_two_seeds_reports_mean_and_std_and_compare_reads_it_back(tmp
     assert cli_main(["compare", str(tmp_path / "nothing-here")]) == 2
 
 
+def test_compare_warns_when_the_runs_differ_in_length_seed_or_dataset(small_cfg, tmp_path, capsys, caplog):
+    """A 2-round run beside a 1-round run of another seed: one warning line each for the length and the
+    seeds (on stderr and in comparison.md), none for the dataset they share; runs that match: none."""
+    import logging
+
+    from fedsim.app.runner import run_experiment
+
+    caplog.set_level(logging.WARNING, logger="fedsim")
+    a = run_experiment(small_cfg("federation.rounds=2", "seed=0"), out=tmp_path / "a", progress=False)
+    b = run_experiment(small_cfg("federation.rounds=1", "seed=1"), out=tmp_path / "b", progress=False)
+    assert cli_main(["compare", str(a), str(b), "--out", str(tmp_path / "ab")]) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    assert err == ["[fedsim] warning: compare: the compared runs differ in length (rounds): a: 2; b: 1",
+                   "[fedsim] warning: compare: the compared runs differ in seeds: a: 0; b: 1"]
+    md = (tmp_path / "ab" / "comparison.md").read_text()
+    assert "differ in length (rounds): a: 2; b: 1" in md and "differ in seeds" in md and "dataset" not in md
+    c = tmp_path / "c"  # run a's folder with another dataset in its config
+    shutil.copytree(a, c)
+    (c / "config.toml").write_text((a / "config.toml").read_text().replace('"fmnist-small"', '"mnist"'))
+    assert cli_main(["compare", str(a), str(c), "--out", str(tmp_path / "ac")]) == 0
+    assert [x for x in capsys.readouterr().err.splitlines() if "warning" in x] == [
+        "[fedsim] warning: compare: the compared runs differ in dataset: a: fmnist-small; c: mnist"]
+    twin = tmp_path / "twin"
+    shutil.copytree(a, twin)
+    assert cli_main(["compare", str(a), str(twin), "--out", str(tmp_path / "aa")]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def tomllib_seed(run_dir: Path) -> int:
     import tomllib
 

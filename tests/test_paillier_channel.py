@@ -299,11 +299,31 @@ def test_settings_that_could_overflow_are_refused(small_cfg, sets, message):
         small_cfg('channel.name="paillier"', *sets)
 
 
-def test_small_keys_warn(small_cfg):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        small_cfg(*paillier())
-    assert any("below 2048" in str(w.message) for w in caught)
+def test_small_keys_warn_once_through_the_fedsim_log(small_cfg, capsys):
+    """The key-size warning is a fedsim log record (not a Python warning with a source line); the CLI's
+    handler prints it as one line however often the config is validated (load, runner, server)."""
+    import logging
+
+    from fedsim.progress import OnceToStderr
+
+    log, handler = logging.getLogger("fedsim"), OnceToStderr()
+    level, installed = log.level, [h for h in log.handlers if isinstance(h, OnceToStderr)]
+    for h in installed:  # the CLI's handler, if a test before this one ran the CLI here
+        log.removeHandler(h)
+    log.addHandler(handler)
+    log.setLevel(logging.WARNING)  # the test session keeps fedsim's log at ERROR
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no raw Python warning
+            small_cfg(*paillier())
+            small_cfg(*paillier())
+    finally:
+        log.removeHandler(handler)
+        for h in installed:
+            log.addHandler(h)
+        log.setLevel(level)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "below 2048" in x]
+    assert lines and lines[0].startswith("[fedsim] warning: channel.key_bits = ") and len(lines) == 1
 
 
 def test_transforms_that_need_plaintext_are_refused_under_paillier(small_cfg):

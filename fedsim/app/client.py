@@ -124,6 +124,22 @@ def template_of(model: torch.nn.Module) -> dict[str, np.ndarray]:
     return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
 
 
+def warm_up(cfg: dict[str, Any]) -> None:
+    """Prepare a fresh client actor before its first message (:func:`fedsim.app.ray_runtime.prestart`):
+    this module's imports (torch, Flower, the plugins) are done by then; load the config's dataset
+    (cached for the run) and run one forward and backward pass of its model on two training samples,
+    since torch's first backward in a process costs about a second. The torch RNG state is restored;
+    a failure is left for the run's own messages to report."""
+    try:
+        with torch.random.fork_rng():
+            ds = dataset_for(cfg)
+            model = model_for(cfg)
+            out = model(ds.x_train[:2])
+            torch.autograd.grad(out.float().sum(), [p for p in model.parameters() if p.requires_grad])
+    except Exception:  # noqa: BLE001 - the run's first message meets the same problem and reports it
+        pass
+
+
 def _partition_id(context: Context) -> int:
     return int(context.node_config[NODE_PARTITION_ID])
 
@@ -253,8 +269,8 @@ def _train(msg: Message, context: Context) -> Message:
     if res.state:
         context.state[STATE_DEFENSES] = ArrayRecord(OrderedDict((k, Array(np.ascontiguousarray(v)))
                                                                 for k, v in res.state.items()))
-    metrics = {NUM_EXAMPLES: res.num_examples, PARTITION_ID: pid,
-               **{k: float(v) for k, v in res.metrics.items()}}
+    metrics = {NUM_EXAMPLES: res.num_examples, PARTITION_ID: pid,  # counts stay integers (local_steps)
+               **{k: v if type(v) is int else float(v) for k, v in res.metrics.items()}}
     if REPORT_TRAIN_LOSS in conf and conf[REPORT_TRAIN_LOSS]:  # the rule asks (FedBoosting's T)
         set_weights(model, res.weights)
         metrics[FINAL_TRAIN_LOSS] = evaluate(model, x, y, resolve_device(cfg.get("device", "auto")))[0]

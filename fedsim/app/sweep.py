@@ -30,7 +30,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fedsim import progress as prog
 from fedsim.app import validate
@@ -42,7 +42,15 @@ from fedsim.comparison import (
     table_columns,
     table_formats,
 )
-from fedsim.config import ConfigError, _merge, absolute_references, apply_overrides, defaults, read_toml
+from fedsim.config import (
+    ConfigError,
+    _merge,
+    absolute_references,
+    apply_overrides,
+    defaults,
+    precheck,
+    read_toml,
+)
 from fedsim.export import write_csv
 from fedsim.reports import atomic_write_text, new_run_dir, write_jsonl
 from fedsim.tables import check_claims, check_report
@@ -117,12 +125,14 @@ def _check_quick(quick: Any, p: Path, labels: Sequence[str]) -> dict[str, Any]:
 
 
 def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = (),
-              quick: bool = False) -> SweepSpec:
+              quick: bool = False, checked: Callable[[list[dict[str, Any]]], None] | None = None) -> SweepSpec:
     """Read and validate a sweep/experiment file (every variant's config, the report specs and claims).
     ``quick`` applies the file's ``[quick]`` table: its ``set`` overrides come before ``overrides`` (then
     ``variant_set``: a variant's own quick overrides, for keys the other variants do not have, such as
     the parameters of an attack only it runs) and its ``variants`` choose the variants unless ``only``
-    does."""
+    does. Every variant passes the first pass (:func:`fedsim.config.precheck`, no heavy import) before
+    any is validated in full; ``checked`` is then called with their configs (``run_sweep`` starts Ray
+    there)."""
     p = Path(path)
     data = read_toml(p, "sweep file")
     seeds = check_seeds(data.pop("seeds")) if "seeds" in data else None
@@ -173,6 +183,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
     if unknown:
         raise ConfigError(f"--only {unknown}: no such variant; variants: {labels}")
     overrides = [*pre, *overrides]
+    index = {}
     for i, v in enumerate(variants):
         v = {k: x for k, x in v.items() if k not in VARIANT_META}
         label = labels[i]
@@ -184,10 +195,18 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
         try:
             apply_overrides(cfg, [*pre, *per_variant.get(label, []), *overrides[len(pre):]])
             absolute_references(cfg)
-            validate(cfg)
+            precheck(cfg)
         except ConfigError as exc:
             raise ConfigError(f"variants[{i}] ({label}): {exc}") from exc
+        index[label] = i
         out.append((label, cfg))
+    if checked is not None:
+        checked([cfg for _, cfg in out])
+    for label, cfg in out:
+        try:
+            validate(cfg)
+        except ConfigError as exc:
+            raise ConfigError(f"variants[{index[label]}] ({label}): {exc}") from exc
     # the base names the output folder and heads the report; every override was checked against every
     # selected variant above, and one that only a variant can take (defenses.<i>.<param>) skips the base
     for o in overrides:
@@ -239,12 +258,30 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
     for the hint an interruption prints (:func:`resume_command`). The progress line of each run shows
     the runs done of the total and an ETA from the runs that ran here (complete ones are skipped and
     do not count)."""
+    from fedsim.app import ray_runtime
+
+    with ray_runtime.shared():  # every variant's run shares Ray and, where their resources match, the actors
+        return _run_sweep(path, overrides, out, progress, only, seeds, overwrite, quick, command)
+
+
+def _prestart(cfgs: list[dict[str, Any]]) -> None:
+    from fedsim.app import ray_runtime
+
+    for cfg in cfgs:
+        if cfg["simulation"]["backend"] == "ray":
+            ray_runtime.prestart(cfg)  # the first Ray variant: its actors warm up while the rest is checked
+            return
+
+
+def _run_sweep(path: str | Path, overrides: Sequence[str], out: str | Path | None, progress: bool,
+               only: Sequence[str], seeds: Sequence[int] | None, overwrite: bool, quick: bool,
+               command: Sequence[str] | None) -> Path:
+    spec = load_spec(path, overrides, only, quick, checked=_prestart)  # no torch before its first pass
     from fedsim.app.runner import run_experiment
     from fedsim.config import check_data
     from fedsim.interrupt import RunInterrupted
     from fedsim.runfolder import RunFolderError, decide, open_sweep_folder
 
-    spec = load_spec(path, overrides, only, quick)
     base, variants = spec.base, spec.variants
     given_seeds = list(seeds) if seeds is not None else None
     seeds = check_seeds(list(seeds), "--seeds") if seeds is not None else spec.seeds

@@ -79,13 +79,14 @@ class WeakKeyWarning(UserWarning):
 
 
 # ------------------------------------------------------------------------------------------- keys
-def generate_keypair(key_bits: int = DEFAULT_KEY_BITS) -> tuple[PublicKey, PrivateKey]:
+def generate_keypair(key_bits: int = DEFAULT_KEY_BITS, warn: bool = True) -> tuple[PublicKey, PrivateKey]:
     """A fresh Paillier key pair with an ``n`` of exactly ``key_bits`` bits (even, >= 512).
 
-    Keys below 2048 bits emit :class:`WeakKeyWarning`.
+    Keys below 2048 bits emit :class:`WeakKeyWarning` (unless ``warn`` is false: the channel's client
+    half, whose server half warned once when the config was validated).
     """
     check_key_bits(key_bits)
-    if key_bits < DEFAULT_KEY_BITS:
+    if key_bits < DEFAULT_KEY_BITS and warn:
         warnings.warn(f"Paillier key of {key_bits} bits: below {DEFAULT_KEY_BITS} bits, use only for tests",
                       WeakKeyWarning, stacklevel=2)
     return phe_paillier.generate_paillier_keypair(n_length=int(key_bits))
