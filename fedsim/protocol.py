@@ -62,6 +62,7 @@ TRAIN_ACCURACY = "train_accuracy"
 EVAL_LOSS = "eval_loss"
 EVAL_ACCURACY = "eval_accuracy"
 EVAL_EXAMPLES = "eval_examples"
+EVAL_SOURCE_ACCURACY = "eval_source_accuracy"  # evaluate reply: accuracy on each test source, in order
 HOSTED_PARTITIONS = "hosted-partitions"  # query reply: the partitions a node serves
 FINAL_TRAIN_LOSS = "final_train_loss"  # train reply (if asked): loss of the trained model on the training split
 CROSSVAL_LOSSES = "crossval-losses"  # cross-validation reply: each model's loss on the validation split
