@@ -34,8 +34,9 @@ def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, An
     """One run folder as a row (see the module docstring). ``full`` adds every numeric key of each
     leakage entry (``<attack>.mse``, ``.iterations``, ``.rmse`` = sqrt of the mean MSE, ...) and of the
     last round's metrics (``final.<key>``), for experiment tables that name them; a run with one attack
-    also gets its columns as ``attack.<metric>``, and ``best_accuracy``, the global model's accuracy in its
-    best round."""
+    also gets its columns as ``attack.<metric>``, ``best_accuracy``, the global model's accuracy in its
+    best round, and every metric's mean over the training rounds (``mean.<key>``, e.g.
+    ``mean.strategy.weights_entropy``)."""
     run_dir = Path(run_dir)
     summary = read_json(run_dir / "summary.json")
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -74,6 +75,11 @@ def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, An
         row.update({f"final.{k}": v for k, v in last.items() if _number(v)})
         if _number(summary.get("best_accuracy")):  # the best round's global accuracy (papers that report it)
             row["best_accuracy"] = summary["best_accuracy"]
+        trained = [r for r in rows if r["round"] >= 1]
+        for k in dict.fromkeys(k for r in trained for k in r):  # the mean over the training rounds
+            vals = [float(r[k]) for r in trained if _number(r.get(k))]
+            if vals and k != "round":
+                row[f"mean.{k}"] = float(np.mean(vals))
         leaks = summary.get("leakage", [])
         if len(leaks) == 1:  # one attack: also as attack.<metric>, so a table can compare runs of different attacks
             row.update({f"attack.{k[len(leaks[0]['attack']) + 1:]}": v for k, v in list(row.items())

@@ -75,7 +75,11 @@ SCHEMA: dict[str, Field] = {
                           "import reference 'module:function' / 'path/file.py:function' (docs/plugins.md)"),
     "data.params": Field(dict, {}, help="keyword parameters of your own dataset function"),
     "data.partition": Field(str, "iid", choices=("iid", "dirichlet", "pathological", "natural"),
-                            help="natural: one source per client (datasets with sources, e.g. synthetic-2d)"),
+                            help="natural: one source per client (datasets with sources, e.g. synthetic-2d, "
+                            "or data.styles)"),
+    "data.styles": Field(list, [], help="feature shift: the images drawn in one style per source, e.g. "
+                         "[\"plain\", \"inverted\"] (with partition = \"natural\": one style per client); "
+                         "styles: plain, inverted, rotated, low-contrast, blurred, thick"),
     "data.alpha": Field(NUM, 0.5, min=1e-6, help="Dirichlet concentration"),
     "data.classes_per_client": Field(int, 2, min=1, help="pathological: classes per client"),
     "data.min_per_class": Field(int, 10, min=1, help="pathological: fewest samples per class"),
@@ -315,6 +319,8 @@ def precheck(cfg: dict[str, Any]) -> None:
     if data["min_per_class"] > data["max_per_class"]:
         raise ConfigError(f"data.min_per_class ({data['min_per_class']}) must be <= data.max_per_class "
                           f"({data['max_per_class']})")
+    if data["styles"] and not all(isinstance(x, str) for x in data["styles"]):
+        raise ConfigError(f"data.styles must be a list of style names, got {data['styles']!r}")
     if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
         raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
     if not train["momentum"] < 1:
@@ -335,10 +341,17 @@ def validate(cfg: dict[str, Any]) -> None:
     the device, every component section (:func:`build_components`) and the data."""
     precheck(cfg)
     data = cfg["data"]
-    if data["partition"] == "natural":
+    if data["styles"]:  # (the styles module imports torch: not in precheck)
+        from fedsim.data.styles import check_styles
+
+        try:
+            check_styles(data["styles"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if data["partition"] == "natural" and not data["styles"]:
         from fedsim.data import DATASETS
 
-        if not DATASETS[data["dataset"]].sources:
+        if data["dataset"] not in DATASETS or not DATASETS[data["dataset"]].sources:
             raise ConfigError(f"data.partition = 'natural' needs a dataset with natural sources "
                               f"({sorted(n for n, e in DATASETS.items() if e.sources)}), got {data['dataset']!r}")
     check_model_and_data(cfg)

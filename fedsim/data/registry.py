@@ -36,6 +36,10 @@ class Dataset:
     # the source each training sample was drawn from (datasets with natural client splits, e.g.
     # synthetic-2d); ``data.partition = "natural"`` gives each client its own source
     sources: torch.Tensor | None = None
+    # the source of each test sample and the sources' names (per-source test accuracy,
+    # ``test.<name>_accuracy``): synthetic-2d's two sources, or ``data.styles`` (fedsim.data.styles)
+    test_sources: torch.Tensor | None = None
+    source_names: tuple[str, ...] = ()
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -230,7 +234,8 @@ def _load_synthetic_2d(data_dir: str | None, download: bool, root_size: int) -> 
     root, tr = tr[:min(root_size, 100)], tr[min(root_size, 100):]
     t = lambda i: torch.from_numpy(x[i])  # noqa: E731
     return Dataset("synthetic-2d", t(tr), _labels(y[tr]), t(te), _labels(y[te]), t(root), _labels(y[root]), 2,
-                   kind="tabular", class_names=("class 0", "class 1"), sources=torch.from_numpy(s[tr]))
+                   kind="tabular", class_names=("class 0", "class 1"), sources=torch.from_numpy(s[tr]),
+                   test_sources=torch.from_numpy(s[te]), source_names=("wide", "tight"))
 
 
 @dataclass(frozen=True)
@@ -373,14 +378,19 @@ def check_finite(ds: Dataset) -> Dataset:
 
 @lru_cache(maxsize=8)
 def load_dataset(name: str, data_dir: str | None = None, download: bool = False,
-                 root_size: int = 100, params: str = "{}") -> Dataset:
-    """Load a dataset (cached per process: every client actor loads it once).
+                 root_size: int = 100, params: str = "{}", styles: tuple[str, ...] = ()) -> Dataset:
+    """Load a dataset (cached per process: every client actor loads it once); ``styles``
+    (``data.styles``): the dataset drawn in one style per source (:mod:`fedsim.data.styles`).
 
     A built-in name (:data:`DATASETS`), or a user's dataset: registered in
     :data:`fedsim.components.DATASETS` or an import reference (``"mypkg.data:load"``,
     ``"path/to/file.py:load"``) to a function (or class) that takes ``data_dir``, ``download``,
     ``root_size`` when it declares them and ``[data] params`` (``params``: their JSON text), and returns
     what :func:`dataset_from` accepts."""
+    if styles:
+        from fedsim.data.styles import with_styles
+
+        return with_styles(load_dataset(name, data_dir, download, root_size, params), styles)
     if data_dir is not None:
         data_dir = os.path.expanduser(str(data_dir))
     if name not in DATASETS:
