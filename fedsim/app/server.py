@@ -479,7 +479,8 @@ class Server:
                     obs.load_state(st)
             self.finish(self.committed, self.elapsed(), status=status, extra=extra)
         except Exception as exc:  # noqa: BLE001 - the original error matters more
-            log.error("could not write the summary of the %s run: %s", status, exc)
+            if self.completed:  # without a completed round the folder is discarded: nothing to say
+                log.error("could not write the summary of the %s run: %s", status, exc)
 
     def finish(self, state: Any, seconds: float, status: str = "completed",
                extra: dict[str, Any] | None = None) -> dict[str, Any]:
