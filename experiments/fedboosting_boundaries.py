@@ -22,6 +22,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from fedsim.components import FIGURES
+
 SWEEP = Path(__file__).with_name("fedboosting_synthetic.toml")
 PANELS = ("FedAvg", "FedBoosting", "centralised")
 FIGURE = "decision_boundaries.png"
@@ -111,6 +113,7 @@ def first_run(row: dict[str, Any]) -> str | None:
     return runs[0] if runs and runs[0] else None
 
 
+@FIGURES.register(name="fedboosting-boundaries")  # referenced as "experiments.fedboosting_boundaries:draw", also when installed
 def draw(out_dir: Path, configs: dict[str, dict[str, Any]]) -> Path | None:
     """The experiment's ``[[report.figures]]`` hook: the figure once every panel's run has its model, else
     None (a sweep still running, or ``--only`` without one of the panels)."""

@@ -20,6 +20,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fedsim.components import FIGURES
+
 SWEEP = Path(__file__).with_name("fedboosting.toml")
 FIGURE = "accuracy_curves.png"
 ROWS = (("FedAvg", "N/A"), ("FedAvg", "HE"), ("FedBoosting", "N/A"), ("FedBoosting", "DP"),
@@ -60,6 +62,7 @@ def collect(out_dir: Path) -> dict[tuple[str, str, str], list[dict[str, Any]]]:
     return out
 
 
+@FIGURES.register(name="fedboosting-table")  # referenced as "experiments.fedboosting_table:draw", also when installed
 def draw(out_dir: Path, configs: dict[str, dict[str, Any]]) -> Path | None:
     """The experiment's ``[[report.figures]]`` hook: the accuracy curves of the variants that have run so
     far (None before the first)."""

@@ -5,6 +5,7 @@ attacks can reconstruct that data; and the resources a Ray run asks of this mach
 :class:`ConfigError` naming the key."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any, Mapping, Sequence
 
@@ -30,7 +31,7 @@ def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
         return
     except ValueError as exc:  # root_size and other dataset parameters
         raise ConfigError(str(exc)) from None
-    problem = attack_data_problem(cfg, ds.in_shape)
+    problem = attack_data_problem(cfg, ds.in_shape) or model_problem(cfg) or attack_model_problem(cfg)
     if problem:
         raise ConfigError(problem)
     try:
@@ -44,6 +45,87 @@ def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
                           f"{cfg['federation']['num_clients']})")
 
 
+def model_problem(cfg: Mapping[str, Any]) -> str | None:
+    """What is wrong with the model the config describes on its data, found before anything runs: it
+    cannot be built (a plugin raising, returning something that is not an ``nn.Module``), or its forward
+    on two examples raises or does not return ``(batch, num_classes)`` logits. The message names
+    ``model.name``; None when the model works. Cached per (model, data) sections."""
+    import json
+
+    return _model_problem(json.dumps({"model": cfg["model"], "data": cfg["data"]}, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=16)
+def _model_problem(text: str) -> str | None:
+    import json
+
+    import torch
+
+    from fedsim.data import DatasetUnavailable
+    from fedsim.factories import dataset_for, model_for
+
+    cfg = json.loads(text)
+    name = cfg["model"]["name"]
+    try:
+        ds = dataset_for(cfg)
+    except DatasetUnavailable:
+        return None  # reported where the data is needed
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+        try:
+            model = model_for(cfg)
+        except ConfigError as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - a plugin's (or the data's) failure: one line naming the key
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return msg[len("ValueError: "):] if msg.startswith("ValueError: model.") else f"model.name {name!r}: {msg}"
+        x = ds.x_test[:2] if len(ds.x_test) else ds.x_train[:2]
+        try:
+            model.train()
+            with torch.no_grad():
+                out = model(x)
+        except Exception as exc:  # noqa: BLE001
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return f"model.name {name!r}: its forward on {len(x)} inputs of shape {tuple(x.shape[1:])} raised {msg}"
+    want = (len(x), ds.num_classes)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return (f"model.name {name!r}: its forward on {len(x)} inputs of shape {tuple(x.shape[1:])} returned "
+                f"{got}; fedsim needs logits of shape (batch, num_classes) = {want}")
+    return None
+
+
+def _attack_names(attack: Mapping[str, Any]) -> list[Any]:
+    name = attack.get("name", "dlg")
+    return [name] if isinstance(name, str) else list(name)
+
+
+def attack_model_problem(cfg: Mapping[str, Any]) -> str | None:
+    """An attack of ``[attack]`` that cannot attack this model (``Attack.model_problem``: e.g. ``ig-bn``'s
+    BatchNorm prior on a model without BatchNorm), found before anything trains; the message names
+    ``attack.name``, or None."""
+    import torch
+
+    from fedsim.components import ATTACKS
+    from fedsim.factories import model_for
+
+    attack = cfg.get("attack") or {}
+    if not attack or attack.get("enabled", True) is False:
+        return None
+    params = attack.get("params") or {}
+    attacks = [(n, ATTACKS.build_named(n, params.get(n) or {}, f"attack.params.{n}", name_where="attack.name"))
+               for n in _attack_names(attack)]
+    checks = [(n, a.model_problem) for n, a in attacks if callable(getattr(a, "model_problem", None))]
+    if not checks:
+        return None
+    with torch.random.fork_rng(devices=[]):
+        model = model_for(cfg)
+    for n, check in checks:
+        problem = check(model)
+        if problem:
+            return f"attack.name {n!r}: {problem}"
+    return None
+
+
 def attack_data_problem(cfg: Mapping[str, Any], in_shape: Sequence[int]) -> str | None:
     """Records (tabular data, inputs (F,)) can be attacked only by the attacks that reconstruct them
     (``supports_records``); the message naming ``attack.name``, or None."""
@@ -52,7 +134,7 @@ def attack_data_problem(cfg: Mapping[str, Any], in_shape: Sequence[int]) -> str 
     attack = cfg.get("attack") or {}
     if len(in_shape) == 3 or not attack or attack.get("enabled", True) is False:
         return None
-    names = [attack.get("name", "dlg")] if isinstance(attack.get("name", "dlg"), str) else list(attack["name"])
+    names = _attack_names(attack)
 
     def for_records(n: str) -> bool:
         try:

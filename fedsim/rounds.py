@@ -10,7 +10,9 @@
    replies that fail a check become recorded failures (not fatal); every valid reply is shown to the
    observers (the interception point, before aggregation) through the channel's view;
 4. the rule aggregates (through the channel), the transforms' ``after_aggregate`` run in reverse; a
-   non-finite global model stops the run (:class:`NonFiniteModel`).
+   non-finite global model stops the run (:class:`NonFiniteModel`);
+5. the channel's ``after_round`` (e.g. the Paillier channel sends the new aggregate ahead to the next
+   round's clients).
 
 It returns the new global state and a :class:`RoundRecord`; evaluating, notifying observers of the
 round's end, writing metrics and printing progress is the server loop's round-end step
@@ -321,6 +323,7 @@ class RoundEngine:
                 record.transform_metrics[t.name] = dict(t.metrics())
             new_state = self.channel.initial(arrays)
         self.check_global(server_round, new_state)
+        self.channel.after_round(ctx, new_state)
         record.channel_metrics = dict(self.channel.metrics())
         if self.privacy:  # after the rule: a central-DP rule has recorded this round's release
             record.privacy = self.privacy.after_round(server_round, record.contributors, config)

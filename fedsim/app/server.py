@@ -52,7 +52,7 @@ from fedsim.checkpoint import (
     CLIENT_STATE,
     Checkpoint,
     CheckpointError,
-    DigestCache,
+    client_state_digests,
     config_identity,
     keep_client_states,
     metrics_prefix,
@@ -122,7 +122,6 @@ class Server:
         self.prior_seconds = resume.seconds if resume is not None else 0.0
         self.resumed = [*resume.resumed, resume.round] if resume is not None else []
         self.client_state_dropped = list(resume.client_state_dropped) if resume is not None else []
-        self._digests = DigestCache()
         self._t_start = time.perf_counter()
 
     # ---- the round-end step ----------------------------------------------------------------------------
@@ -178,7 +177,7 @@ class Server:
         ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.checkpoint_arrays(state)),
                           components=components, rng=rng_state(), failures=list(engine.failures),
                           seconds=self.elapsed(), resumed=self.resumed, metrics_bytes=size, metrics_digest=digest,
-                          client_state=self._digests.digests(mirror, rnd),
+                          client_state=client_state_digests(mirror, rnd),  # (the clients' digests)
                           client_state_dropped=self.client_state_dropped)
         write_checkpoint(self.out / CHECKPOINT, ckpt)
         keep_client_states(mirror, ckpt.client_state)  # superseded files (and any a late client wrote) go
@@ -339,7 +338,8 @@ class Server:
                     obs.load_state(st)
             self.finish(self.committed, self.elapsed(), status=status, extra=extra)
         except Exception as exc:  # noqa: BLE001 - the original error matters more
-            log.error("could not write the summary of the %s run: %s", status, exc)
+            if self.completed:  # without a completed round the folder is discarded: nothing to say
+                log.error("could not write the summary of the %s run: %s", status, exc)
 
     def finish(self, state: Any, seconds: float, status: str = "completed",
                extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -106,13 +106,13 @@ def experiment_sections(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple
 
 def experiment_figures(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple[str, dict]]) -> list[str]:
     """``[[report.figures]]``: call each figure's ``draw(out_dir, configs)``; a section per figure drawn."""
-    from fedsim.components import resolve_reference
+    from fedsim.components import FIGURES
 
     configs = {label: cfg for label, cfg in variants}
     text = []
     for fig in spec.report.get("figures", []):
         try:
-            path = resolve_reference(fig["draw"], "report.figures.draw")(out_dir, configs)
+            path = FIGURES.lookup(fig["draw"], "report.figures.draw")(out_dir, configs)
         except Exception as exc:  # noqa: BLE001 - a figure that fails is noted, the report is still written
             text += [f"## {fig['title']}\n", f"Not drawn: {type(exc).__name__}: {exc}".splitlines()[0][:300], ""]
             continue

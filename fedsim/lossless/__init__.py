@@ -81,11 +81,20 @@ from fedsim.lossless.network import (
     sgd_step,
     true_gradients,
 )
-from fedsim.lossless.noise import MODES, PublicNoise, Secrets, draw_secrets, perturb
+from fedsim.lossless.noise import (
+    MAX_RANGE_RATIO,
+    MODES,
+    RANGE_BOUNDS,
+    PublicNoise,
+    Secrets,
+    check_range,
+    draw_secrets,
+    perturb,
+)
 from fedsim.lossless.recovery import aggregate, recover
 
 __all__ = [
-    "ClientTerms", "FCSpec", "LOSSES", "Layer", "MODES", "PublicNoise", "Secrets", "aggregate",
-    "check_supported", "client_terms", "draw_secrets", "fc_spec", "forward", "get_layers", "layer_shapes",
+    "ClientTerms", "FCSpec", "LOSSES", "Layer", "MAX_RANGE_RATIO", "MODES", "RANGE_BOUNDS", "PublicNoise", "Secrets", "aggregate",
+    "check_range", "check_supported", "client_terms", "draw_secrets", "fc_spec", "forward", "get_layers", "layer_shapes",
     "perturb", "recover", "set_layers", "sgd_step", "true_gradients",
 ]

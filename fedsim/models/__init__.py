@@ -11,6 +11,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from fedsim import components as _components
+
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "sigmoid": nn.Sigmoid,
     "tanh": nn.Tanh,
@@ -186,6 +188,7 @@ class MLP(nn.Module):
         return self.fc(self.body(x))
 
 
+_components.MODELS.base = nn.Module  # a reference in model.name names an nn.Module subclass (or a function of yours)
 BUILTIN_ONLY = ("activation", "norm", "width", "hidden")  # [model] keys of the built-in models
 
 

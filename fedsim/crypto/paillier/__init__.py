@@ -71,6 +71,7 @@ from fedsim.crypto.paillier.payload import (
     MODE_PER_ELEMENT,
     PayloadHeader,
     combine,
+    combine_read,
     parse_header,
     read_ciphertexts,
     verify,
@@ -79,7 +80,7 @@ from fedsim.crypto.paillier.payload import (
 __all__ = [
     "DEFAULT_KEY_BITS", "HEADER_BYTES", "MAX_KEY_BITS", "MIN_KEY_BITS", "MODE_PACKED", "MODE_PER_ELEMENT",
     "ObfuscatorPool", "PaillierCodec", "PayloadHeader", "PrivateKey", "PublicKey",
-    "ShortExponentObfuscator", "WeakKeyWarning", "check_key_bits", "combine", "decrypt_many", "decrypt_raw",
+    "ShortExponentObfuscator", "WeakKeyWarning", "check_key_bits", "combine", "combine_read", "decrypt_many", "decrypt_raw",
     "encrypt_raw", "generate_keypair", "key_fingerprint", "parse_header", "private_key_from_bytes",
     "private_key_to_bytes", "public_key_from_bytes", "public_key_to_bytes", "read_ciphertexts",
     "security_bits", "verify", "weighted_sum",
