@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from fedsim.build import build_components
+from fedsim import build
 from fedsim.components import ConfigError, missing_plugin_file
 from fedsim.config_checks import check_data, check_gpus, check_model_and_data, check_simulation
 
@@ -319,10 +319,12 @@ def precheck(cfg: dict[str, Any]) -> None:
             raise ConfigError(f"{where}: {problem}")
 
 
-def validate(cfg: dict[str, Any]) -> None:
+def validate(cfg: dict[str, Any]) -> dict[str, Any]:
     """Check every key; raise ConfigError naming the first bad one. :func:`precheck` first (no heavy
     imports), then what needs the plugins, torch and the data: model and dataset names and parameters,
-    the device, every component section (:func:`build_components`) and the data."""
+    the device, every component section (:func:`fedsim.build.build_components`) and the data. Returns the
+    components built to check them: a run is handed these (``run_experiment(components=...)``) and
+    builds none of its own."""
     precheck(cfg)
     data = cfg["data"]
     if data["styles"]:  # (the styles module imports torch: not in precheck)
@@ -348,8 +350,9 @@ def validate(cfg: dict[str, Any]) -> None:
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"device: {exc}") from exc
     check_gpus(cfg["simulation"])
-    build_components(cfg)
+    components = build.build_components(cfg)
     check_data(cfg, require_available=False)
+    return components
 
 
 def _name_slots(cfg: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:

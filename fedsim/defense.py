@@ -14,7 +14,10 @@ A defense acts at the stage where it belongs (see ``fedsim.training.local.local_
 
 State that must survive between rounds (compression residuals, a FedKL key) lives in
 ``ctx.state``, a dict of NumPy arrays that the ClientApp keeps in Flower's per-node ``Context.state``;
-it never leaves the client. Every defense reports what it did through ``metrics()``; the values are
+it never leaves the client. A client process builds its pipeline once per config and reuses it for every
+message and every partition it serves (``fedsim.app.client.pipeline_for``): a defense keeps nothing
+between messages on itself; what it sets on itself during a round (counts for ``metrics()``, the round's
+plan) is set again by ``setup`` or its hooks in every round. Every defense reports what it did through ``metrics()``; the values are
 prefixed with the defense's position and name in the client's reply metrics.
 """
 from __future__ import annotations

@@ -36,6 +36,10 @@ def _run(small_cfg, grid_cls, defenses, rounds=3):
     return grid, {r: sorted(u, key=lambda x: x.client_id) for r, u in rec.by_round().items()}
 
 
+def _untimed(metrics):
+    return {k: v for k, v in metrics.items() if "seconds" not in k}
+
+
 def _same(a, b):
     return all(np.array_equal(x, y) for x, y in zip(a.weights, b.weights))
 
@@ -71,3 +75,31 @@ def test_the_slicing_plan_is_kept_through_flowers_context(small_cfg):
     key = "defense.0.lrp.plan_round"
     assert [kept[r][0].metrics[key] for r in (1, 2, 3)] == [1.0, 1.0, 1.0]  # planned once, then reused
     assert [lost[r][0].metrics[key] for r in (1, 2, 3)] == [1.0, 2.0, 3.0]  # re-planned every round
+
+
+def test_a_client_process_builds_its_pipeline_once_per_config_and_keeps_each_clients_state(small_cfg, monkeypatch):
+    """The ClientApp builds the defense pipeline once per config and reuses it for every message and every
+    partition of its process (here all 4 clients, in-process); what it gives is what a pipeline built for
+    every message gives, stateful defenses included; a different config (a sweep's next variant on a warm
+    actor) builds its own."""
+    from fedsim.app import client as client_app_module
+
+    real = client_app_module.client_pipeline
+    built = []
+    monkeypatch.setattr(client_app_module, "client_pipeline", lambda cfg: built.append(cfg["defenses"]) or real(cfg))
+    client_app_module._cached_pipeline.cache_clear()
+    stateful = [{"name": "dp-sgd", "clip_norm": 1.0, "noise_multiplier": 1.0}, {"name": "compress", "ratio": 0.9}]
+    _, cached = _run(small_cfg, InProcessGrid, stateful)
+    assert built == [stateful]  # 4 clients x 3 rounds: one build, then cache hits
+    with monkeypatch.context() as m:  # the old way: a fresh pipeline for every message
+        m.setattr(client_app_module, "pipeline_for", lambda msg: real(client_app_module.config_of(msg)))
+        _, fresh = _run(small_cfg, InProcessGrid, stateful)
+    assert sorted(cached) == sorted(fresh) == [1, 2, 3]
+    for r in cached:
+        assert [u.client_id for u in cached[r]] == [u.client_id for u in fresh[r]]
+        assert all(_same(a, b) and _untimed(a.metrics) == _untimed(b.metrics) for a, b in zip(cached[r], fresh[r]))
+    assert cached[1][0].metrics["defense.0.dp-sgd.epsilon"] < cached[3][0].metrics["defense.0.dp-sgd.epsilon"]
+    assert not _same(cached[1][0], cached[1][1])  # (each client its own update)
+    other = [{"name": "compress", "ratio": 0.5}]
+    _run(small_cfg, InProcessGrid, other)
+    assert built == [stateful, other]  # a new config: built anew (and once)

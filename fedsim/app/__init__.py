@@ -65,18 +65,21 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return cfg
 
 
-def validate(cfg: dict[str, Any]) -> None:
+def validate(cfg: dict[str, Any]) -> dict[str, Any]:
     """:func:`fedsim.config.precheck` first - a bad key or a missing file is reported before torch,
-    Flower or a plugin is imported - then the plugins, then :func:`fedsim.config.validate`."""
+    Flower or a plugin is imported - then the plugins, then :func:`fedsim.config.validate`. Returns the
+    components built to check the config (:func:`build_components`), for the run to use."""
     from fedsim import config
 
     config.precheck(cfg)
     load_plugins()
-    config.validate(cfg)
+    return config.validate(cfg)
 
 
 def build_components(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The run's components (rule, channel, transforms, defenses, Flower mods, observers)."""
+    """The run's components (rule, channel, transforms, defenses, Flower mods, observers, privacy ledger):
+    built once per run - by :func:`validate` when the config is loaded, or here by a run handed none -
+    and passed down to the server (``run_experiment(components=...)``, ``Server(components=...)``)."""
     from fedsim import build
 
     load_plugins()

@@ -46,11 +46,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = read_config(args.config, sets)  # the first pass: no torch, Flower or Ray imported yet
     ray_runtime.prestart(cfg)  # Ray and warm client actors start while the rest is checked and loaded
-    validate(cfg)
+    components = validate(cfg)  # built once: the run uses them
     from fedsim.app.runner import run_experiment
 
     run_dir = run_experiment(cfg, out=out, progress=not args.quiet, overwrite=args.overwrite,
-                             resume=bool(args.resume), without_client_state=args.resume_without_client_state)
+                             resume=bool(args.resume), without_client_state=args.resume_without_client_state,
+                             components=components)
     print(f"[fedsim] results in {run_dir}  (report: {Path(run_dir) / 'report.md'})")
     return 0
 

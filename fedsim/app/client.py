@@ -40,6 +40,7 @@ from fedsim.app import load_plugins
 from fedsim.build import client_pipeline
 from fedsim.checkpoint import restore_client_state, save_client_state
 from fedsim.components import CLIENT_CHANNELS, FLOWER_MODS
+from fedsim.defense import DefensePipeline
 from fedsim.device import resolve_device
 from fedsim.factories import client_data, client_validation_data, dataset_for, model_for
 from fedsim.models.weights import set_weights
@@ -116,6 +117,23 @@ def wrap(handler: Handler, mods: Sequence[Callable]) -> Handler:
 @lru_cache(maxsize=4)
 def _cached_model(text: str) -> torch.nn.Module:
     return model_for(parse_config(text))
+
+
+@lru_cache(maxsize=4)
+def _cached_pipeline(text: str) -> DefensePipeline:
+    return client_pipeline(parse_config(text))
+
+
+def pipeline_for(msg: Message) -> DefensePipeline:
+    """The defense pipeline of the message's config (the server transforms' client side, then
+    ``[[defenses]]``): built once per process and config, and reused by every message and every partition
+    this process serves. Keyed by the config's text - the whole config, since a defense is built with it
+    (FedKL reads the seed) - so a warm Ray actor that a sweep hands a new variant builds that variant's
+    pipeline anew. Sharing one pipeline is safe because a defense keeps nothing between messages on
+    itself: what survives a round lives in ``ctx.state`` (this partition's Flower ``Context.state``), and
+    the per-round values a defense sets on itself are set again by ``setup`` and its hooks every round
+    (:class:`fedsim.defense.Defense`); partitions are served one after another in a process."""
+    return _cached_pipeline(str(msg.content[CONFIG][FEDSIM_CONFIG]))
 
 
 def model_to_train(msg: Message, cfg: dict[str, Any], adapts: bool) -> torch.nn.Module:
@@ -256,7 +274,7 @@ def _train(msg: Message, context: Context) -> Message:
     rnd = int(conf[SERVER_ROUND])
     channel = channel_for(cfg)
     x, y = client_data(cfg, pid)
-    pipeline = client_pipeline(cfg)
+    pipeline = pipeline_for(msg)
     model = model_to_train(msg, cfg, pipeline.adapts_model())
     template = template_of(model)
     names = list(template)

@@ -68,10 +68,10 @@ def _app_dir() -> Path | None:
 
 @server_app.main()
 def main(grid: Grid, context: Context) -> None:
-    from fedsim.app import load_config
+    from fedsim.app import validate
     from fedsim.app.runner import quiet_logs
     from fedsim.app.server import run_server
-    from fedsim.config import dump_toml
+    from fedsim.config import dump_toml, read_config
     from fedsim.reports import atomic_write_text, new_run_dir
 
     quiet_logs()
@@ -79,7 +79,10 @@ def main(grid: Grid, context: Context) -> None:
     rc = context.run_config
     overrides = [s.strip() for s in str(rc.get("overrides", "")).split(";") if s.strip()]
     config_path = resolve_config_path(str(rc.get("config") or "experiments/default.toml"), root, _app_dir())
-    cfg = load_config(str(config_path), overrides)
+    # `flwr run`: this ServerApp runs in Flower's own process, not in the one that read the config, so it
+    # loads and builds the components here, once (validation builds them; the server is handed those)
+    cfg = read_config(str(config_path), overrides)
+    components = validate(cfg)
     if rc.get("out"):
         out = Path(str(rc["out"])).expanduser()
         out = out if out.is_absolute() else root / out
@@ -89,4 +92,4 @@ def main(grid: Grid, context: Context) -> None:
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.toml", dump_toml(cfg))
     print(f"[fedsim] run folder: {out}", flush=True)
-    run_server(grid, cfg, out)
+    run_server(grid, cfg, out, components=components)

@@ -64,7 +64,8 @@ def _backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
 
 def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers: Sequence[Observer] | None = None,
                    progress: bool = True, *, overwrite: bool = False, resume: bool = False,
-                   stop: StopSignal | None = None, without_client_state: bool = False) -> Path:
+                   stop: StopSignal | None = None, without_client_state: bool = False,
+                   components: dict[str, Any] | None = None) -> Path:
     """Run a validated config; returns the run folder (touched only once every input is checked).
 
     ``out`` names the folder (default: a new ``<output.dir>/<name>-<timestamp>``). A folder that holds
@@ -72,11 +73,15 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
     insists on that (``without_client_state``: even though client-state files are missing or damaged, every
     client then starting without its state); ``overwrite`` clears a folder holding something else. Raises
     :class:`~fedsim.interrupt.RunInterrupted` (with ``run_dir``) when stopped by SIGINT/SIGTERM.
-    ``progress=False`` silences this run's progress lines (``fedsim.progress``)."""
+    ``progress=False`` silences this run's progress lines (``fedsim.progress``). ``components``: what
+    :func:`fedsim.app.validate` built for ``cfg`` (built here when not given; built once per run either
+    way and handed to the server); ``observers`` replaces their observers."""
     show = progress
     check_data(cfg)  # DatasetUnavailable (with instructions), root split, partition: before any folder
     model_for(cfg)  # architecture/data mismatches surface here too
-    observers = build_observers(cfg) if observers is None else list(observers)
+    components = dict(build_components(cfg) if components is None else components)
+    if observers is not None:
+        components["observers"] = list(observers)
     made_here = False
     parent = Path(cfg["output"]["dir"])
     parent_existed = parent.exists()
@@ -118,9 +123,9 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
         stop = stop if stop is not None else StopSignal()
         with handle_signals(stop), torch_threads(int(cfg["simulation"].get("threads", 1))):
             if cfg["simulation"]["backend"] == "inprocess":
-                _run_inprocess(cfg, run_dir, observers, show, stop, ckpt)
+                _run_inprocess(cfg, run_dir, components, show, stop, ckpt)
             else:
-                _run_ray(cfg, run_dir, observers, show, stop, ckpt)
+                _run_ray(cfg, run_dir, components, show, stop, ckpt)
     except RunInterrupted as exc:
         exc.run_dir = run_dir  # type: ignore[attr-defined]
         # `--resume` continues from the checkpoint of the last completed round, or, when no round
@@ -142,13 +147,13 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
     return run_dir
 
 
-def _run_inprocess(cfg, run_dir, observers, show, stop, ckpt) -> None:
+def _run_inprocess(cfg, run_dir, components, show, stop, ckpt) -> None:
     from fedsim.app.client import client_app
     from fedsim.app.server import run_server
     from fedsim.inprocess import InProcessGrid
 
-    run_server(InProcessGrid(client_app, node_count(cfg)), cfg, run_dir, observers, show, stop=stop,
-               resume=ckpt)
+    run_server(InProcessGrid(client_app, node_count(cfg)), cfg, run_dir, components["observers"], show, stop=stop,
+               resume=ckpt, components=components)
 
 
 @contextlib.contextmanager
@@ -276,7 +281,7 @@ class _ServerLoop:
                 log.error("the ServerApp thread did not stop within %.0f s of the engine's end", SERVER_EXIT_WAIT)
 
 
-def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
+def _run_ray(cfg, run_dir, components, show, stop, ckpt) -> None:
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
@@ -296,7 +301,9 @@ def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
         if hasattr(grid, "pull_interval"):
             grid.pull_interval = PULL_INTERVAL
         try:
-            run_server(grid, cfg, run_dir, observers, show, stop=stop, resume=ckpt, started_at=launched)
+            # (the ServerApp runs in a thread of this process: it uses the components built for this run)
+            run_server(grid, cfg, run_dir, components["observers"], show, stop=stop, resume=ckpt,
+                       started_at=launched, components=components)
         except RunInterrupted as exc:  # return normally: Flower then shuts its engine down at once
             stopped.append(exc)
             kill_client_actors(backends)

@@ -90,7 +90,8 @@ class Server:
 
     def __init__(self, cfg: dict[str, Any], out: Path | None, observers: Sequence[Observer] | None = None,
                  progress: bool = True, fixed_partitions: Sequence[int] | None = None, *,
-                 stop: StopSignal | None = None, resume: Checkpoint | None = None, checkpoint: bool | None = None):
+                 stop: StopSignal | None = None, resume: Checkpoint | None = None, checkpoint: bool | None = None,
+                 components: dict[str, Any] | None = None):
         self.cfg, self.out, self.progress = cfg, out, progress
         self.stop = stop if stop is not None else StopSignal()
         self.resume = resume
@@ -99,7 +100,7 @@ class Server:
         self.names = list(model.state_dict().keys())
         self.initial = get_weights(model)
         self.device = resolve_device(cfg["device"])
-        parts = build_components(cfg)
+        parts = build_components(cfg) if components is None else components  # built once per run (fedsim.app)
         self.observers = list(parts["observers"] if observers is None else observers)
         self.engine = RoundEngine(cfg, self.names, parts["rule"], parts["channel"], parts["transforms"],
                                   self.observers, timeout=float(cfg["federation"].get("round_timeout", 3600.0)),
@@ -404,8 +405,11 @@ def say_round(row: dict[str, Any], record: RoundRecord, rounds: int, rows: Seque
 
 def run_server(grid: Grid, cfg: dict[str, Any], out: Path | None, observers: Sequence[Observer] | None = None,
                progress: bool = True, *, stop: StopSignal | None = None,
-               resume: Checkpoint | None = None, started_at: float | None = None) -> dict[str, Any]:
+               resume: Checkpoint | None = None, started_at: float | None = None,
+               components: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run ``federation.rounds`` rounds on ``grid`` (after ``resume.round`` when resuming); write metrics,
     checkpoints, plot, summary and report to ``out``. ``started_at``: when the run was launched
-    (``time.perf_counter()``), for the start-up time."""
-    return Server(cfg, out, observers, progress, stop=stop, resume=resume).run(grid, started_at)
+    (``time.perf_counter()``), for the start-up time. ``components``: the run's components
+    (:func:`fedsim.app.build_components`; built here when not given)."""
+    return Server(cfg, out, observers, progress, stop=stop, resume=resume,
+                  components=components).run(grid, started_at)
