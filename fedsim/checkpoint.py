@@ -1,43 +1,22 @@
-"""Checkpoints of a run (resume) and the mirror of the clients' state.
+"""Checkpoints of a run (resume): what one holds and how it is written and read.
 
 At the end of every round the server writes ``checkpoint.npz`` into the run folder, atomically
 (temporary file, fsync, rename): the round, the global model, the state of the aggregation rule, the
 channel, every server transform and every observer (their ``state()``), the server process's RNG
-positions (Python, NumPy, torch), the recorded client failures and the run's elapsed time. It is an
-``.npz`` read with ``allow_pickle=False``: arrays plus one JSON document, never pickled objects.
+positions (Python, NumPy, torch), the recorded client failures, the run's elapsed time, the
+``metrics.jsonl`` prefix it was written after and the digests of the clients' mirrored state files it
+stands for. It is an ``.npz`` read with ``allow_pickle=False``: arrays plus one JSON document, never
+pickled objects.
 
-Client state (defense residuals, accountants, channel keys) lives in Flower's per-node
-``Context.state``, inside the simulation engine. To resume exactly, the ClientApp *mirrors* it: when
-the server's message names a mirror folder (``fedsim.protocol.STATE_MIRROR``, set only for runs that
-checkpoint), a client whose state is not empty writes it, after a successful ``train`` (or channel
-setup) in round ``r``, to ``<run>/client-state/p<partition>-r<r>.bin`` (Flower's own RecordDict
-serialisation), and then the SHA-256 of the bytes it wrote beside it (``p<partition>-r<r>.bin.sha256``,
-64 hex digits): a state is complete once its digest is there. The checkpoint of round ``r`` stands
-for, per partition, the newest complete state of a round ``<= r``; the server deletes the older ones
-after each checkpoint and, before resuming, the files of rounds after the checkpoint. In a resumed run
-the server's messages carry ``RESUMED_AT``: a client whose context has not been restored yet loads its
-newest state first (and refuses it if its bytes do not match their digest). The mirror needs the run
-folder to be reachable from the client processes (always true for the local Ray cluster and the
-in-process backend; with ``simulation.ray_address`` the folder must be on a file system the cluster
-shares).
-
-**The server process never reads a client-state file.** The files hold the clients' secrets (the
-Paillier private key, the CKKS secret key, X25519 keys), which must never exist in the server process.
-The checkpoint records the digests the clients wrote (:func:`client_state_digests` reads only the
-``.sha256`` files), and the resume check (:func:`verify_resume`) hashes the files in a separate,
-short-lived Python process that imports nothing but ``hashlib`` and returns hex digests
-(:func:`digests_in_subprocess`). Only the clients read their files, to restore them.
+The clients' state is mirrored beside it by the clients themselves (:mod:`fedsim.client_state`); a
+checkpoint is checked against its run folder before a run resumes from it (:mod:`fedsim.resume_checks`).
 """
 from __future__ import annotations
 
 import hashlib
 import io
 import json
-import os
 import random
-import re
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -45,7 +24,6 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 CHECKPOINT = "checkpoint.npz"
-CLIENT_STATE = "client-state"
 METRICS = "metrics.jsonl"
 FORMAT = 3  # 2: the checkpoint records its metrics.jsonl prefix and a digest of every client-state file;
 # 3: the digests are the ones the clients wrote beside their files (``.bin.sha256``)
@@ -225,160 +203,12 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
     return ckpt
 
 
-# ============================================================================ what a checkpoint stands for
+# ============================================================================ the run it was written after
 def metrics_prefix(run_dir: str | Path) -> tuple[int, str]:
     """(bytes, SHA-256) of ``metrics.jsonl`` as it is now (the rows a checkpoint written now stands for)."""
     path = Path(run_dir) / METRICS
     data = path.read_bytes() if path.exists() else b""
     return len(data), hashlib.sha256(data).hexdigest()
-
-
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-INVALID_DIGEST = "invalid"  # recorded for a digest file that does not hold 64 hex digits (never matches)
-
-
-def client_state_digests(folder: str | Path, upto: int) -> dict[str, str]:
-    """name -> SHA-256 of each partition's newest complete mirrored state of a round ``<= upto``, as its
-    client wrote it beside the file (``<name>.sha256``). Reads the digest files only, never a state file:
-    what the server records in every checkpoint costs a 65-byte read per partition."""
-    out = {}
-    for p, r in sorted(newest_client_states(folder, upto).items()):
-        path = mirror_file(folder, p, r)
-        try:
-            text = digest_file(path).read_text(encoding="ascii", errors="replace").strip()
-        except FileNotFoundError:  # gone since it was listed: not part of this checkpoint
-            continue
-        out[path.name] = text if _HEX64.match(text) else INVALID_DIGEST  # refused at resume: "damaged"
-    return out
-
-
-# the verifier: run by ``python -I -S`` (isolated: no site, no PYTHONPATH, no current folder), it imports
-# hashlib and sys only; paths arrive on stdin (NUL-separated), one line per path goes back: a hex digest,
-# or "-" when the file cannot be read
-_HASHER = """import hashlib, sys
-for p in sys.stdin.buffer.read().split(b"\\0"):
-    if not p:
-        continue
-    h = hashlib.sha256()
-    try:
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-        print(h.hexdigest())
-    except OSError:
-        print("-")
-"""
-
-
-def digests_in_subprocess(paths: Sequence[str | Path], timeout: float = 600.0) -> list[str | None]:
-    """SHA-256 (hex) of each file, computed in a separate short-lived Python process (the files' bytes never
-    enter this one); None for a file that cannot be read. Raises :class:`CheckpointError` if the process
-    fails."""
-    if not paths:
-        return []
-    data = b"\0".join(os.fsencode(str(p)) for p in paths)
-    try:
-        res = subprocess.run([sys.executable, "-I", "-S", "-c", _HASHER], input=data, capture_output=True,
-                             timeout=timeout, check=False)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise CheckpointError(f"cannot check the client-state files ({type(exc).__name__}: {exc})") from None
-    lines = res.stdout.decode("ascii", errors="replace").splitlines()
-    if res.returncode != 0 or len(lines) != len(paths):
-        why = res.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {res.returncode}"]
-        raise CheckpointError(f"cannot check the client-state files (the verifier failed: {why[0][:200]})")
-    return [ln if _HEX64.match(ln) else None for ln in lines]
-
-
-def verify_resume(run_dir: str | Path, ckpt: Checkpoint, without_client_state: bool = False) -> None:
-    """Refuse (:class:`CheckpointError`, naming the file) a checkpoint that does not fit its run folder:
-
-    * ``metrics.jsonl`` must begin with exactly the rows the checkpoint was written after (same bytes), and
-      hold at most one more row (the row of a round that was being written when the run died): a
-      checkpoint edited to, or replaced by, an earlier round is refused;
-    * every client-state file the checkpoint stands for must be there, with the same SHA-256: a missing
-      or damaged file would make the resumed run differ from the uninterrupted one. With
-      ``without_client_state`` the client state is not checked (the resumed run drops all of it)."""
-    run_dir = Path(run_dir)
-    metrics = run_dir / METRICS
-    data = metrics.read_bytes() if metrics.exists() else b""
-    head = data[:ckpt.metrics_bytes]
-    if len(head) < ckpt.metrics_bytes or hashlib.sha256(head).hexdigest() != ckpt.metrics_digest:
-        raise CheckpointError(f"{metrics} does not begin with the rows 0..{ckpt.round} the checkpoint "
-                              f"{run_dir / CHECKPOINT} was written after (edited, truncated or from another "
-                              "run): resuming would not continue this run; use --overwrite to start it again")
-    try:
-        rounds = [json.loads(ln).get("round") for ln in head.splitlines() if ln.strip()]
-    except (ValueError, AttributeError):
-        rounds = None
-    if rounds != list(range(ckpt.round + 1)):
-        raise CheckpointError(f"the checkpoint {run_dir / CHECKPOINT} says round {ckpt.round}, but the rows of "
-                              f"{metrics} it was written after are rounds {_span(rounds)} (edited?): resuming would "
-                              "not continue this run; use --overwrite to start it again")
-    later = [ln for ln in data[ckpt.metrics_bytes:].splitlines() if ln.strip()]
-    if len(later) > 1:
-        raise CheckpointError(f"{metrics} holds {len(later)} rows after round {ckpt.round} of the checkpoint "
-                              f"{run_dir / CHECKPOINT}: the checkpoint is older than the run (edited or replaced); "
-                              "use --overwrite to start the run again")
-    for name in ckpt.client_state:
-        m = _MIRROR_FILE.match(name)
-        if m is None or int(m.group(2)) > ckpt.round:
-            raise CheckpointError(f"the checkpoint {run_dir / CHECKPOINT} of round {ckpt.round} records client "
-                                  f"state {name!r}, not a state of round <= {ckpt.round} (edited?); use --overwrite "
-                                  "to start the run again")
-    if without_client_state:
-        return
-    folder = run_dir / CLIENT_STATE
-    flag = "restore it, or resume with --resume-without-client-state (every client starts without its state: " \
-           "the run is no longer exact), or --overwrite to start again"
-    names = sorted(ckpt.client_state)
-    for name in names:  # (a stat: nothing is read)
-        path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"client state {path} (recorded in the checkpoint of round {ckpt.round}) is "
-                                  f"missing: the resumed run would differ; {flag}")
-    # the files hold the clients' keys: they are hashed in another process, never read in this one
-    for name, got in zip(names, digests_in_subprocess([folder / n for n in names])):
-        if got != ckpt.client_state[name]:
-            raise CheckpointError(f"client state {folder / name} is damaged (its SHA-256 differs from the "
-                                  f"checkpoint's): the resumed run would differ; {flag}")
-
-
-def _span(rounds: list[Any] | None) -> str:
-    if not rounds:
-        return "(none)"
-    return f"{rounds[0]}..{rounds[-1]}" if all(isinstance(r, int) for r in rounds) else str(rounds)[:60]
-
-
-def keep_client_states(folder: str | Path, names: Mapping[str, str] | Sequence[str]) -> None:
-    """Delete every mirrored client-state file in ``folder`` but ``names`` (the ones a checkpoint stands for),
-    and their digest files."""
-    try:
-        entries = list(os.scandir(folder))
-    except FileNotFoundError:
-        return
-    for e in entries:
-        m = _MIRROR_ANY.match(e.name)
-        if m and m.group(1) not in names:
-            Path(e.path).unlink(missing_ok=True)
-
-
-_TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # fedsim.reports.atomic_write_bytes' temporary files
-
-
-def remove_temp_files(run_dir: str | Path) -> list[str]:
-    """Delete temporary files an atomic write left behind when its process was killed (in the folder and
-    its client-state folder); only call it while holding the folder's lock. Returns their names."""
-    gone = []
-    for folder in (Path(run_dir), Path(run_dir) / CLIENT_STATE):
-        try:
-            entries = list(os.scandir(folder))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for e in entries:
-            if _TEMP.match(e.name) and e.is_file(follow_symlinks=False):
-                Path(e.path).unlink(missing_ok=True)
-                gone.append(e.name)
-    return gone
 
 
 # ============================================================================ what can be checkpointed
@@ -407,109 +237,3 @@ def resume_blocker(channel: Any, rule: Any, transforms: Sequence[Any], observers
         if not isinstance(st, dict):
             return f"{kind} {getattr(comp, 'name', type(comp).__name__)!r} cannot report its state (state())"
     return None
-
-
-# ============================================================================ client-state mirror
-_MIRROR_FILE = re.compile(r"^p(\d+)-r(\d+)\.bin$")
-_MIRROR_ANY = re.compile(r"^(p\d+-r\d+\.bin)(\.sha256)?$")  # a state file or its digest file
-DIGEST_SUFFIX = ".sha256"
-
-
-def mirror_file(folder: str | Path, partition: int, round: int) -> Path:
-    return Path(folder) / f"p{int(partition)}-r{int(round)}.bin"
-
-
-def digest_file(path: str | Path) -> Path:
-    """Where a client writes the SHA-256 of the state file ``path`` (``<name>.sha256``)."""
-    path = Path(path)
-    return path.with_name(path.name + DIGEST_SUFFIX)
-
-
-def _serialise(state: Any) -> bytes:
-    from flwr.common.serde import recorddict_to_proto
-
-    return recorddict_to_proto(state).SerializeToString()
-
-
-def _deserialise(data: bytes) -> Any:
-    from flwr.common.serde import recorddict_from_proto
-    from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
-
-    proto = ProtoRecordDict()
-    proto.ParseFromString(data)
-    return recorddict_from_proto(proto)
-
-
-def save_client_state(state: Any, folder: str | Path, partition: int, round: int) -> bool:
-    """Mirror a client's ``Context.state`` (a RecordDict) after round ``round``; returns whether a file
-    was written. A client that never had state writes nothing; once it has mirrored, it always does
-    (so a state that became empty is mirrored too)."""
-    from flwr.app import ConfigRecord, RecordDict
-
-    from fedsim.protocol import STATE_MIRROR_MARK
-    from fedsim.reports import atomic_write_bytes
-
-    content = RecordDict({k: v for k, v in state.items() if k != STATE_MIRROR_MARK})
-    if not list(content.keys()) and STATE_MIRROR_MARK not in state:
-        return False
-    data = _serialise(content)
-    path = mirror_file(folder, partition, round)
-    atomic_write_bytes(path, data)
-    atomic_write_bytes(digest_file(path), (hashlib.sha256(data).hexdigest() + "\n").encode())  # complete now
-    state[STATE_MIRROR_MARK] = ConfigRecord({"round": int(round)})
-    return True
-
-
-def restore_client_state(state: Any, folder: str | Path, partition: int, upto: int) -> bool:
-    """In a resumed run, load a client's newest mirrored state of a round ``<= upto`` into its (fresh)
-    ``Context.state``, once. Returns whether the context was restored by this call."""
-    from flwr.app import ConfigRecord
-
-    from fedsim.protocol import STATE_MIRROR_MARK
-
-    if STATE_MIRROR_MARK in state:  # restored (or mirrored) already in this session
-        return False
-    best = newest_client_states(folder, upto).get(int(partition))
-    if best is not None:
-        path = mirror_file(folder, partition, best)
-        try:
-            data = path.read_bytes()
-            digest = digest_file(path).read_text(encoding="ascii", errors="replace").strip()
-            if hashlib.sha256(data).hexdigest() != digest:
-                raise CheckpointError(f"client state {path} is damaged (its SHA-256 differs from "
-                                      f"{digest_file(path).name})")
-            loaded = _deserialise(data)
-        except CheckpointError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - name the file
-            raise CheckpointError(f"client state {path} cannot be read ({type(exc).__name__}: {exc})") from exc
-        for k in list(state.keys()):
-            del state[k]
-        for k, v in loaded.items():
-            state[k] = v
-    state[STATE_MIRROR_MARK] = ConfigRecord({"round": int(best if best is not None else -1)})
-    return best is not None
-
-
-def client_state_files(folder: str | Path) -> list[tuple[int, int, Path]]:
-    """(partition, round, path) of every complete mirrored client state in ``folder`` (a state file with its
-    digest file beside it; a client killed between the two writes left an incomplete one)."""
-    out = []
-    try:
-        names = {e.name: e.path for e in os.scandir(folder)}
-    except FileNotFoundError:
-        return []
-    for name, path in names.items():
-        m = _MIRROR_FILE.match(name)
-        if m and name + DIGEST_SUFFIX in names:
-            out.append((int(m.group(1)), int(m.group(2)), Path(path)))
-    return out
-
-
-def newest_client_states(folder: str | Path, upto: int) -> dict[int, int]:
-    """partition -> the newest complete mirrored round ``<= upto``."""
-    best: dict[int, int] = {}
-    for p, r, _ in client_state_files(folder):
-        if r <= upto and r > best.get(p, -1):
-            best[p] = r
-    return best

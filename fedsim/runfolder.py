@@ -32,10 +32,9 @@ from fedsim.checkpoint import (
     config_differences,
     config_identity,
     read_checkpoint,
-    remove_temp_files,
-    verify_resume,
 )
 from fedsim.components import ConfigError
+from fedsim.resume_checks import remove_temp_files, verify_resume
 
 LOCK = ".fedsim.lock"
 NOTHING_COMPLETED = "cleared (nothing completed)"  # a Decision's note: this config's run, no round to continue
@@ -108,7 +107,7 @@ class Decision:
 def decide(path: Path, cfg: Mapping[str, Any] | None, overwrite: bool = False, resume: bool = False,
            what: str = "--out", without_client_state: bool = False) -> Decision:
     """Inspect an existing folder (nothing is written). ``cfg`` None: only emptiness matters. A checkpoint
-    to resume from must fit the folder (:func:`fedsim.checkpoint.verify_resume`: ``metrics.jsonl`` and
+    to resume from must fit the folder (:func:`fedsim.resume_checks.verify_resume`: ``metrics.jsonl`` and
     every client-state file it stands for); ``without_client_state`` resumes without the client state."""
     contents = _contents(path)
     if not contents:

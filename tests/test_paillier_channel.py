@@ -781,7 +781,7 @@ def test_an_encrypted_run_resumes_exactly(channel, small_cfg, tmp_path, monkeypa
 
 
 def _mirrored_channel_state(path):
-    from fedsim.checkpoint import _deserialise
+    from fedsim.client_state import _deserialise
 
     state = _deserialise(path.read_bytes())
     return {k: bytes(v) for k, v in state[STATE_CHANNEL].items()} if STATE_CHANNEL in state else {}

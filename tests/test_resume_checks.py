@@ -131,7 +131,7 @@ def test_the_clients_write_the_digests_and_refuse_a_damaged_state(tmp_path):
     listed); a client restoring a state whose bytes do not match its digest refuses it, naming the file."""
     from flwr.app import ConfigRecord, RecordDict
 
-    from fedsim.checkpoint import client_state_digests, restore_client_state, save_client_state
+    from fedsim.client_state import client_state_digests, restore_client_state, save_client_state
 
     folder = tmp_path / "client-state"
     folder.mkdir()

@@ -38,7 +38,7 @@ from flwr.clientapp import ClientApp
 
 from fedsim.app import load_plugins
 from fedsim.build import client_pipeline
-from fedsim.checkpoint import restore_client_state, save_client_state
+from fedsim.client_state import restore_client_state, save_client_state
 from fedsim.components import CLIENT_CHANNELS, FLOWER_MODS
 from fedsim.defense import DefensePipeline
 from fedsim.device import resolve_device
@@ -216,7 +216,7 @@ def serve_partitions(handler: Handler) -> Handler:
 
 def mirrored(handler: Handler) -> Handler:
     """Mirror this client's ``Context.state`` to the run folder after a successful exchange, and restore
-    it in a resumed run (:mod:`fedsim.checkpoint`), when the server's message asks for it (runs that
+    it in a resumed run (:mod:`fedsim.client_state`), when the server's message asks for it (runs that
     checkpoint). Applied per partition (under :func:`serve_partitions`): each virtual client mirrors
     its own state."""
 

@@ -72,18 +72,15 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
     this config's run is continued from its checkpoint (or returned as it is when complete); ``resume``
     insists on that (``without_client_state``: even though client-state files are missing or damaged, every
     client then starting without its state); ``overwrite`` clears a folder holding something else. Raises
-    :class:`~fedsim.interrupt.RunInterrupted` (with ``run_dir``) when stopped by SIGINT/SIGTERM.
-    ``progress=False`` silences this run's progress lines (``fedsim.progress``). ``components``: what
-    :func:`fedsim.app.validate` built for ``cfg`` (built here when not given; built once per run either
-    way and handed to the server); ``observers`` replaces their observers."""
+    :class:`~fedsim.interrupt.RunInterrupted` (with ``run_dir``) when stopped by SIGINT/SIGTERM. ``components``:
+    what :func:`fedsim.app.validate` built (else built here: once per run); ``observers`` replaces theirs."""
     show = progress
     check_data(cfg)  # DatasetUnavailable (with instructions), root split, partition: before any folder
     model_for(cfg)  # architecture/data mismatches surface here too
     components = dict(build_components(cfg) if components is None else components)
     if observers is not None:
         components["observers"] = list(observers)
-    made_here = False
-    parent = Path(cfg["output"]["dir"])
+    made_here, parent = False, Path(cfg["output"]["dir"])
     parent_existed = parent.exists()
     if out is None:
         if resume:

@@ -49,19 +49,16 @@ from fedsim.app.evaluation import Evaluator
 from fedsim.app.rungrid import RunGrid
 from fedsim.checkpoint import (
     CHECKPOINT,
-    CLIENT_STATE,
     Checkpoint,
     CheckpointError,
-    client_state_digests,
     config_identity,
-    keep_client_states,
     metrics_prefix,
     resume_blocker,
     rng_state,
     set_rng_state,
-    verify_resume,
     write_checkpoint,
 )
+from fedsim.client_state import CLIENT_STATE, client_state_digests, keep_client_states
 from fedsim.components import ConfigError
 from fedsim.device import resolve_device
 from fedsim.export import CsvLog
@@ -77,6 +74,7 @@ from fedsim.reports import (
     write_json,
     write_report,
 )
+from fedsim.resume_checks import verify_resume
 from fedsim.rounds import RoundEngine
 from fedsim.runfolder import read_summary
 from fedsim.seams import RoundContext, RoundRecord
