@@ -83,6 +83,9 @@ train = { lr = 0.1 }
 [[variants]]
 label = "c"
 federation = { clients_per_round = 2 }
+[[variants]]
+label = "d"
+defenses = [{ name = "compress", ratio = 0.5 }]
 """
 
 
@@ -90,7 +93,8 @@ def test_a_sweep_starts_ray_once_and_its_runs_share_the_actors(tmp_path):
     """Every run of a sweep uses one Ray runtime, started at most once (not at all when an earlier test of
     this process left it running), and the client actors of its first run serve the others (without the
     shared runtime: one Ray start and one actor pool per run). The shared actors give every variant
-    exactly the numbers of the same variant in process."""
+    exactly the numbers of the same variant in process (a warm actor builds the defense pipeline of the
+    config it is sent: "d" after three variants without defenses)."""
     from fedsim.app.ray_runtime import RUNTIME
     from fedsim.app.sweep import run_sweep
 
@@ -101,10 +105,10 @@ def test_a_sweep_starts_ray_once_and_its_runs_share_the_actors(tmp_path):
     assert RUNTIME.ray_starts - starts <= 1
     assert RUNTIME.actor_starts - actors <= (os.cpu_count() or 1)  # one pool (1 CPU per actor), not three
     inproc = run_sweep(path, ['simulation.backend="inprocess"'], out=tmp_path / "inproc", progress=False)
-    for name in ("00-a", "01-b", "02-c"):
+    for name in ("00-a", "01-b", "02-c", "03-d"):
         a, b = read_jsonl(ray / name / "metrics.jsonl"), read_jsonl(inproc / name / "metrics.jsonl")
         assert [(r["round"], r["replies"], r["failures"]) for r in a] == [(r["round"], r["replies"], 0) for r in b]
         assert [r["accuracy"] for r in a] == pytest.approx([r["accuracy"] for r in b], abs=1e-9)
         assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
-    losses = {read_jsonl(ray / n / "metrics.jsonl")[-1]["loss"] for n in ("00-a", "01-b", "02-c")}
-    assert len(losses) == 3  # the variants differ: actors answering with a stale config would show it
+    losses = {read_jsonl(ray / n / "metrics.jsonl")[-1]["loss"] for n in ("00-a", "01-b", "02-c", "03-d")}
+    assert len(losses) == 4  # the variants differ: actors answering with a stale config would show it
