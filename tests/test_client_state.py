@@ -89,17 +89,17 @@ def test_a_client_process_builds_its_pipeline_once_per_config_and_keeps_each_cli
     monkeypatch.setattr(client_app_module, "client_pipeline", lambda cfg: built.append(cfg["defenses"]) or real(cfg))
     client_app_module._cached_pipeline.cache_clear()
     stateful = [{"name": "dp-sgd", "clip_norm": 1.0, "noise_multiplier": 1.0}, {"name": "compress", "ratio": 0.9}]
-    _, cached = _run(small_cfg, InProcessGrid, stateful)
-    assert built == [stateful]  # 4 clients x 3 rounds: one build, then cache hits
+    _, cached = _run(small_cfg, InProcessGrid, stateful, rounds=2)
+    assert built == [stateful]  # 4 clients x 2 rounds: one build, then cache hits
     with monkeypatch.context() as m:  # the old way: a fresh pipeline for every message
         m.setattr(client_app_module, "pipeline_for", lambda msg: real(client_app_module.config_of(msg)))
-        _, fresh = _run(small_cfg, InProcessGrid, stateful)
-    assert sorted(cached) == sorted(fresh) == [1, 2, 3]
+        _, fresh = _run(small_cfg, InProcessGrid, stateful, rounds=2)
+    assert sorted(cached) == sorted(fresh) == [1, 2]
     for r in cached:
         assert [u.client_id for u in cached[r]] == [u.client_id for u in fresh[r]]
         assert all(_same(a, b) and _untimed(a.metrics) == _untimed(b.metrics) for a, b in zip(cached[r], fresh[r]))
-    assert cached[1][0].metrics["defense.0.dp-sgd.epsilon"] < cached[3][0].metrics["defense.0.dp-sgd.epsilon"]
+    assert cached[1][0].metrics["defense.0.dp-sgd.epsilon"] < cached[2][0].metrics["defense.0.dp-sgd.epsilon"]
     assert not _same(cached[1][0], cached[1][1])  # (each client its own update)
     other = [{"name": "compress", "ratio": 0.5}]
-    _run(small_cfg, InProcessGrid, other)
+    _run(small_cfg, InProcessGrid, other, rounds=1)
     assert built == [stateful, other]  # a new config: built anew (and once)
