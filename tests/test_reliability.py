@@ -384,9 +384,9 @@ def test_a_complete_run_is_not_run_again_and_another_config_is_refused(tmp_path,
 
 
 def test_what_cannot_be_checkpointed_is_named():
+    from channels.paillier import PaillierChannel
     from fedsim.seams import WEIGHTED_SUM, PlainChannel, ServerChannel
     from strategies.fedavg import FedAvg
-    from strategies.paillier import PaillierChannel
 
     class Opaque(ServerChannel):  # keeps the model from the server and cannot save it
         name = "opaque"

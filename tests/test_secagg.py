@@ -21,7 +21,7 @@ import torch
 from flwr.app import ArrayRecord
 from flwr.server.workflow import SecAggPlusWorkflow
 
-import strategies.secagg as secagg_mod
+import channels.secagg.server as secagg_mod
 from fedsim.app.client import client_app
 from fedsim.app.runner import run_experiment
 from fedsim.app.server import Server
