@@ -236,7 +236,7 @@ def test_the_curious_server_attacks_the_aggregate_as_one_batch(small_cfg):
     curious = server.observers[-1]
     [row] = curious.rows
     assert (row["client"], row["aggregate_of"], row["contributors"], row["batch_size"]) == (-1, 3, [0, 1, 2], 3)
-    truth, _ = curious._images["ig-r1-agg3"]
+    truth, _ = curious.images["ig-r1-agg3"]
     union = []
     for c in range(3):
         x, _ = client_data(cfg, c)
