@@ -148,6 +148,18 @@ def test_the_checker_allows_what_the_layers_allow(path, source):
 
 
 
+def test_the_composition_root_loads_every_plugin_package():
+    """``fedsim.app.load_plugins`` imports each plugin package (a package it forgot registers nothing: its
+    names would be unknown to every config), and nothing else in the tree imports ``channels``."""
+    tree = ast.parse((ROOT / "fedsim/app/__init__.py").read_text())
+    [load] = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "load_plugins"]
+    assert set(PLUGINS) <= {t for _, t in imports_of(ast.unparse(load), "fedsim.app", True)}
+    importers = {rel for rel, src in package_files().items()
+                 for _, t in imports_of(src, module_name(ROOT / rel), rel.endswith("__init__.py"))
+                 if t.split(".")[0] == "channels" and not rel.startswith("channels/")}
+    assert importers == {"fedsim/app/__init__.py"}
+
+
 # ------------------------------------------------------------------------------ import cycles
 CYCLE_PACKAGES = ("fedsim", "strategies", "channels", "clients", "attacks")
 
