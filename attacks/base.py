@@ -69,6 +69,19 @@ class Attack:
     # curious server refuses an attack that does not on such data, before the run trains
     supports_records: ClassVar[bool] = False
 
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        """Checks of this attack against the rest of the config (raise ValueError naming the keys), as every
+        component has: called through the curious server when the config is loaded, and again when the
+        run starts (the dataset is there then). Default: an attack that does not reconstruct records
+        (``supports_records``) refuses a dataset of records."""
+        if self.supports_records:
+            return
+        shape = input_shape(cfg)
+        if shape is not None and len(shape) != 3:
+            ok = sorted(n for n, cls in ATTACKS.items() if getattr(cls, "supports_records", False))
+            raise ValueError(f"reconstructs images (C, H, W) only; data.dataset = {cfg['data']['dataset']!r} has "
+                             f"records of {tuple(shape)} features (attacks for records: {ok})")
+
     def run(self, inp: AttackInput) -> AttackResult:  # pragma: no cover - interface
         raise NotImplementedError
 
@@ -110,6 +123,18 @@ class Attack:
 
 
 ATTACKS.base = Attack
+
+
+def input_shape(cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The config's input shape ((C, H, W) images, (F,) records), or None when its dataset cannot be
+    loaded here (config validation tolerates that; the run reports it before anything is written)."""
+    from fedsim.data import DatasetUnavailable
+    from fedsim.factories import dataset_for
+
+    try:
+        return tuple(dataset_for(cfg).in_shape)
+    except (DatasetUnavailable, ValueError):
+        return None
 
 
 def register(cls: type[Attack]) -> type[Attack]:

@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Annotated, Any, Mapping
 
 import torch
 
 from fedsim.models.imprint import ImprintBlock
+from fedsim.params import Range
 from fedsim.protocol import BATCH_SIZE
 
-from ._common import check_choice, check_float, choose_labels, finish, prepare_target
+from ._common import Labels, choose_labels, finish, prepare_target
 from .base import Attack, AttackInput, AttackResult, register
 from .gradients import local_step_count, update_to_gradient
 
@@ -62,11 +63,13 @@ class RobbingTheFed(Attack):
 
     name = "robbing"
 
-    def __init__(self, labels: str = "idlg", tolerance: float = 1e-5):
-        self.labels = check_choice("labels", labels, ("idlg", "known"))
-        self.tolerance = check_float("tolerance", tolerance, strict=True)
-        if self.tolerance >= 1:
-            raise ValueError(f"attack.tolerance must be a number in (0, 1), got {tolerance!r}")
+    def __init__(self, labels: Labels = "idlg", tolerance: Annotated[float, Range(0, 1, open_low=True, open_high=True)] = 1e-5):
+        self.labels, self.tolerance = labels, float(tolerance)
+
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        if not cfg["model"].get("imprint_bins"):
+            raise ValueError("the malicious-server attack needs the imprinted model (model.imprint_bins) and the "
+                             "server transform [[transforms]] name = 'robbing-imprint'")
 
     def run(self, inp: AttackInput) -> AttackResult:
         t0 = time.perf_counter()

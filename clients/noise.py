@@ -12,12 +12,13 @@ the state-dict-ordered update are parameters, floating buffers or integer buffer
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
 import torch
 from torch import nn
 
 from fedsim.defense import Defense, DefenseContext, register
+from fedsim.params import Range
 from fedsim.privacy import AGAINST_SERVER, Mechanism
 
 # --------------------------------------------------------------------------- shared helpers
@@ -74,11 +75,8 @@ def _has_float_buffers(cfg: Mapping[str, Any]) -> bool:
         return BUFFER in entry_kinds(model_for(cfg)).values()
 
 
-def check_fraction(name: str, value: float, *, upper_open: bool = False) -> float:
-    value = float(value)
-    if not (0.0 <= value < 1.0 if upper_open else 0.0 <= value <= 1.0):
-        raise ValueError(f"{name} must be in [0, 1{')' if upper_open else ']'}, got {value}")
-    return value
+# a share of the update's entries, as a constraint for a defense's signature (``ratio: Fraction``)
+Fraction = Annotated[float, Range(0, 1)]
 
 
 # --------------------------------------------------------------------------- noise defenses

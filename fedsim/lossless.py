@@ -72,6 +72,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from fedsim.params import Satisfies
+
 Layer = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight (n_out, n_in), bias (n_out,) or None)
 LOSSES = ("mse", "cross_entropy")
 MODES = ("paper", "shift")
@@ -318,12 +320,18 @@ class Secrets:
         return row[:, None] * col[None, :], row
 
 
-def _check_range(key: str, value: Any, positive: bool = True) -> tuple[float, float]:
-    ok = (isinstance(value, (tuple, list)) and len(value) == 2
-          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
-    if not ok or not (0 < value[0] <= value[1]):
-        raise ValueError(f"lossless.{key} must be a pair (low, high) of finite numbers with 0 < low <= high, "
-                         f"got {value!r}")
+def _is_interval(value: Any) -> bool:
+    return (isinstance(value, (tuple, list)) and len(value) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+            and 0 < value[0] <= value[1])
+
+
+# the noise ranges' constraint (the transform's signature uses it too: fedsim.params)
+INTERVAL = Satisfies(_is_interval, "a pair [low, high] of finite numbers with 0 < low <= high")
+
+
+def _interval(key: str, value: Any) -> tuple[float, float]:
+    INTERVAL.check(f"lossless.{key}", value)
     return float(value[0]), float(value[1])
 
 
@@ -374,9 +382,9 @@ def draw_secrets(shapes: Sequence[tuple[int, int]], m: int, generator: torch.Gen
         raise ValueError(f"lossless.groups (m) must be 1 with mode='shift', got {m}")
     if not isinstance(generator, torch.Generator):
         raise ValueError("draw_secrets needs a torch.Generator (explicit seeding)")
-    mlo, mhi = _check_range("multiplicative", multiplicative)
-    glo, ghi = _check_range("gamma", gamma)
-    alo, ahi = _check_range("additive", additive)
+    mlo, mhi = _interval("multiplicative", multiplicative)
+    glo, ghi = _interval("gamma", gamma)
+    alo, ahi = _interval("additive", additive)
     r = tuple(_log_uniform(n, mlo, mhi, generator) for n, _ in shapes[:-1])
     perm = torch.randperm(n_out, generator=generator)
     groups = torch.empty(n_out, dtype=torch.int64)

@@ -116,8 +116,73 @@ class ModelSpec:
         return out
 
 
+# ============================================================================= the component lifecycle
+class Component:
+    """The lifecycle every server-side component shares - aggregation rules, server transforms, server
+    halves of channels and observers - written once:
+
+    * ``validate_config(cfg)``: checks against the rest of the config (raise ValueError; the config
+      loader names the component's key); single parameters are checked from the signature's
+      constraints (:mod:`fedsim.params`) before the component is built;
+    * ``setup(param_names, cfg)``: once before round 1 (before the first exchange);
+    * ``metrics()``: what it did this round (the metrics row: ``strategy.<key>``, ``<transform>.<key>``,
+      ``channel.<key>``);
+    * ``state()`` / ``load_state(state)``: what it carries from one round to the next, for checkpoints.
+
+    ``state()`` fails closed: a component that carries nothing between rounds says so with
+    ``stateless = True``; any other must return its state (a dict of arrays, numbers, strings, lists
+    and dicts) and take it back in ``load_state``. A component that does neither cannot be
+    checkpointed: the run writes no checkpoint (the summary says why) and ``--resume`` is refused
+    naming it, so a user's stateful rule that forgot ``state()`` cannot resume silently wrong.
+    """
+
+    name: ClassVar[str] = ""
+    #: True when the component carries nothing from one round to the next (``state()`` is then ``{}``)
+    stateless: ClassVar[bool] = False
+
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
+
+    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
+        """Called once before round 1 (before the first exchange)."""
+
+    def metrics(self) -> dict[str, float]:
+        """What the component did this round (logged in the round's metrics row). Default: nothing."""
+        return {}
+
+    def state(self) -> dict[str, Any]:
+        """What this component carries from one round to the next (see the class doc). Default: ``{}``
+        for a ``stateless`` component; otherwise it cannot report its state (NotImplementedError)."""
+        if self.stateless:
+            return {}
+        raise NotImplementedError(
+            f"{type(self).__qualname__} ({self.name!r}) neither returns its state from state() nor declares "
+            "stateless = True, so it cannot be checkpointed")
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state` returned (resuming a run after ``setup``). Default: nothing to restore
+        for a ``stateless`` component; a component with a state() must restore it here."""
+        if state and not self.stateless:
+            raise NotImplementedError(f"{type(self).__qualname__} ({self.name!r}) has no load_state() to take "
+                                      "its state back")
+
+
+def resume_problem(comp: Any) -> str | None:
+    """Why a component cannot be checkpointed and resumed exactly - its ``state()`` fails or is no dict,
+    or it reports a state it has no ``load_state()`` for - or None."""
+    try:
+        st = comp.state()
+    except NotImplementedError as exc:
+        return str(exc) or "it cannot report its state (state())"
+    if not isinstance(st, dict):
+        return "it cannot report its state (state())"
+    if st and not getattr(comp, "stateless", False) and type(comp).load_state is Component.load_state:
+        return "it reports a state() but has no load_state() to take it back"
+    return None
+
+
 # ============================================================================= aggregation rules
-class AggregationRule:
+class AggregationRule(Component):
     """How the round's client contributions become the next global model."""
 
     name: ClassVar[str] = ""
@@ -127,12 +192,6 @@ class AggregationRule:
     #: client moves it by at most its weight times its update's norm, the sensitivity central DP calibrates
     #: its noise to (strategies/dp.py); other rules get no formal guarantee from it
     example_weighted_mean: ClassVar[bool] = False
-
-    def validate_config(self, cfg: Mapping[str, Any]) -> None:
-        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
-
-    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
-        """Called once before round 1."""
 
     def configure_train(self, server_round: int, config: dict[str, Any]) -> None:
         """Add rule-specific keys to the round's train config (e.g. FedProx's proximal term)."""
@@ -147,23 +206,11 @@ class AggregationRule:
         """The next global state (in the channel's representation) from the round's valid replies."""
         raise NotImplementedError
 
-    def metrics(self) -> dict[str, float]:
-        """What the rule did this round (logged in metrics.jsonl under ``strategy.<key>``)."""
-        return {}
-
     def privacy(self, cfg: Mapping[str, Any]) -> list[Any]:
         """The differential privacy the rule gives, as :class:`fedsim.privacy.Mechanism` entries (central DP:
         ``strategies/dp.py``). Default: none."""
         return []
 
-    def state(self) -> dict[str, Any]:
-        """What this component carries from one round to the next, for checkpoints: a dict of arrays,
-        numbers, strings, lists and dicts. Default: nothing (stateless). A component whose behaviour in
-        round t+1 depends on what it saw in round t must return it here, or resumed runs differ."""
-        return {}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state` returned (resuming a run after ``setup``)."""
 
 
 class WeightedSumRule(AggregationRule):
@@ -181,18 +228,12 @@ class WeightedSumRule(AggregationRule):
 
 
 # ============================================================================= server transforms
-class ServerTransform:
+class ServerTransform(Component):
     """Wrapped around the aggregation rule: ``before_send`` in config order, ``after_aggregate`` in
     reverse order (the first transform is the outermost)."""
 
     name: ClassVar[str] = ""
     requires: ClassVar[frozenset[str]] = frozenset({PLAINTEXT_AGGREGATE})
-
-    def validate_config(self, cfg: Mapping[str, Any]) -> None:
-        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
-
-    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
-        """Called once before round 1."""
 
     def before_send(self, server_round: int, arrays: Arrays) -> Arrays:
         """The model the clients receive this round (default: unchanged)."""
@@ -218,22 +259,10 @@ class ServerTransform:
         """The next global model from the rule's aggregate (default: unchanged)."""
         return aggregate
 
-    def metrics(self) -> dict[str, float]:
-        """What the transform did this round (logged as ``<name>.<key>``)."""
-        return {}
-
-    def state(self) -> dict[str, Any]:
-        """What this component carries from one round to the next, for checkpoints: a dict of arrays,
-        numbers, strings, lists and dicts. Default: nothing (stateless). A component whose behaviour in
-        round t+1 depends on what it saw in round t must return it here, or resumed runs differ."""
-        return {}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state` returned (resuming a run after ``setup``)."""
 
 
 # ============================================================================= channels
-class ServerChannel:
+class ServerChannel(Component):
     """The server half of a channel. The global *state* is whatever the channel holds between rounds:
     plaintext arrays for the plain channel, a ciphertext for an encrypted one."""
 
@@ -243,12 +272,6 @@ class ServerChannel:
     #: sampled client failed, or a secure-aggregation protocol halted): ``"stop"`` the run with an
     #: error, or ``"continue"`` with the global model unchanged (the round is recorded as failed)
     on_round_failure: str = "stop"
-
-    def validate_config(self, cfg: Mapping[str, Any]) -> None:
-        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
-
-    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
-        """Called once before the first exchange."""
 
     def handshake(self, ctx: RoundContext) -> None:
         """Exchanges before round 1 (key agreement, key delivery). Default: none."""
@@ -302,18 +325,10 @@ class ServerChannel:
         """What an observer may see of one reply: ``weights`` (lazy) or ``payload`` + ``kind``."""
         raise NotImplementedError
 
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def state(self) -> dict[str, Any]:
-        """What this component carries from one round to the next, for checkpoints: a dict of arrays,
-        numbers, strings, lists and dicts. Default: nothing (stateless). A component whose behaviour in
-        round t+1 depends on what it saw in round t must return it here, or resumed runs differ."""
-        return {}
-
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state` returned (resuming a run after ``setup``; the handshake is not repeated:
         a channel with a setup exchange must restore its outcome here, or resuming is refused)."""
+        Component.load_state(self, state)
 
 
 class ClientChannel:
@@ -350,6 +365,7 @@ class PlainChannel(ServerChannel):
 
     name = "plain"
     provides = frozenset({INDIVIDUAL, WEIGHTED_SUM, PLAINTEXT_AGGREGATE})
+    stateless = True
 
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         self.names = list(param_names)

@@ -101,6 +101,7 @@ class FedBoosting(WeightedSumRule):
     random | equal, ``secrets_from`` = seed | entropy, ``use_train_loss``)."""
 
     name = "fedboosting"
+    stateless = True  # each round's weights come from that round's replies (and (seed, round))
 
     def __init__(self, p_hat: float = 0.9, shares: str = "random", secrets_from: str = "seed",
                  use_train_loss: bool = True):

@@ -33,6 +33,7 @@ class RobbingImprint(ServerTransform):
     ``gain`` of :func:`fedsim.models.imprint.imprint_model`)."""
 
     name = "robbing-imprint"
+    stateless = True  # the measurement is drawn from the seed in setup
 
     def __init__(self, measurement: str = "brightness", scale: float = 1.0, gain: float = 1e-3):
         if measurement not in MEASUREMENTS:

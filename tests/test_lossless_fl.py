@@ -155,6 +155,7 @@ def test_secrets_from_entropy_differ_between_runs_and_training_does_not(small_cf
 # ------------------------------------------------------------------------------------- config refusals
 class _MedianRule(AggregationRule):
     name = "test-median"
+    stateless = True
 
 
 class _SumOnly(PlainChannel):

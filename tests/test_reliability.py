@@ -287,6 +287,7 @@ class _GlobalRng(ServerTransform):
     draw from it where a second does not.)"""
 
     name = "test-global-rng"
+    stateless = True
 
     def after_aggregate(self, ctx, aggregate):
         shift = np.random.normal(0, 1e-3) + random.gauss(0, 1e-3)
