@@ -46,7 +46,7 @@ class Constraint:
 
 
 def _num(x: float) -> str:
-    return "inf" if x == math.inf else f"{x!r}" if isinstance(x, float) and x != int(x) else f"{x}"
+    return f"{x:g}" if isinstance(x, float) else f"{x}"
 
 
 class Range(Constraint):

@@ -69,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 from typing import Annotated, Any, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -96,12 +97,12 @@ log = logging.getLogger("fedsim")
 # parameters fedsim sets itself: the wrapped strategy, the sample size, Flower's own accountant hook
 FIXED = frozenset({"strategy", "num_sampled_clients", "accountant"})
 RANGES: dict[str, Range] = {  # limits of the wrappers' parameters (constraints of their annotations)
-    "noise_multiplier": Range(0.0),
-    "clipping_norm": Range(0.0, open_low=True),
-    "initial_clipping_norm": Range(0.0, open_low=True),
+    "noise_multiplier": Range(0.0, math.inf),
+    "clipping_norm": Range(0.0, math.inf, open_low=True),
+    "initial_clipping_norm": Range(0.0, math.inf, open_low=True),
     "target_clipped_quantile": Range(0.0, 1.0),
-    "clip_norm_lr": Range(0.0, open_low=True),
-    "clipped_count_stddev": Range(0.0),
+    "clip_norm_lr": Range(0.0, math.inf, open_low=True),
+    "clipped_count_stddev": Range(0.0, math.inf),
 }
 # the client mod (FLOWER_MODS name, clients/flower_mods.py) each client-side wrapper needs
 CLIENT_MODS = {"flwr-dp-client-fixed": "fixed-clipping", "flwr-dp-client-adaptive": "adaptive-clipping"}

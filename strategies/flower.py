@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import random
 from typing import Annotated, Any, ClassVar, Mapping, Sequence
 
@@ -73,16 +74,17 @@ NOT_FORWARDED = ("eta_l",)  # FedOpt's client learning rate: fedsim's clients us
 EXCLUDED = frozenset(SAMPLING + WIRING + NOT_FORWARDED)
 
 # limits Flower does not check, added to the declared parameters (the registry checks them, naming the key)
+INF = math.inf
 RANGES: dict[str, Range] = {
-    "proximal_mu": Range(0.0),
-    "eta": Range(0.0, open_low=True),
-    "tau": Range(0.0, open_low=True),
+    "proximal_mu": Range(0.0, INF),
+    "eta": Range(0.0, INF, open_low=True),
+    "tau": Range(0.0, INF, open_low=True),
     "beta_1": Range(0.0, 1.0, open_high=True),
     "beta_2": Range(0.0, 1.0, open_high=True),
-    "server_learning_rate": Range(0.0, open_low=True),
+    "server_learning_rate": Range(0.0, INF, open_low=True),
     "server_momentum": Range(0.0, 1.0, open_high=True),
-    "num_malicious_nodes": Range(0),
-    "num_nodes_to_select": Range(1),
+    "num_malicious_nodes": Range(0, INF),
+    "num_nodes_to_select": Range(1, INF),
     "beta": Range(0.0, 0.5, open_high=True),  # FedTrimmedAvg (Flower checks it too, without naming the key)
 }
 

@@ -50,9 +50,9 @@ def test_the_schema_uses_the_same_constraint_objects():
     (['attack={name="cpl", params={cpl={labels="joint"}}}'],
      "attack.params.cpl.labels must be one of ['idlg', 'known'], got 'joint'"),
     (['defenses=[{name="prune", ratio=1.5}]'], "defenses[0].ratio must be in [0, 1], got 1.5"),
-    (['strategy={name="flwr-fedadam", eta=0.0}'], "strategy.eta must be > 0.0, got 0.0"),
+    (['strategy={name="flwr-fedadam", eta=0.0}'], "strategy.eta must be in (0, inf), got 0.0"),
     (['strategy={name="flwr-dp-server-fixed", noise_multiplier=1.0, clipping_norm=1.0, '
-      'rule={name="flwr-fedadam", eta=0.0}}'], "strategy.rule.eta must be > 0.0, got 0.0"),
+      'rule={name="flwr-fedadam", eta=0.0}}'], "strategy.rule.eta must be in (0, inf), got 0.0"),
 ])
 def test_config_limits_name_the_key(sets, message):
     with pytest.raises(ConfigError) as err:
