@@ -13,7 +13,9 @@ server, seed 002's curious client (``curious-client``) and the curious server's 
 * ``grnn`` - GRNN, the generative regression attack of seed 003 (chapter 3);
 * ``ig-bn`` - Inverting Gradients with a BatchNorm-statistics prior (Yin et al. 2021);
 * ``ig-fr`` - seed 004's attack: IG + feature-matching regulariser + untrained-CNN image prior;
-* ``robbing`` - Robbing the Fed (Fowl et al. 2022): a *malicious* server's imprint module.
+* ``robbing`` - Robbing the Fed (Fowl et al. 2022): a *malicious* server's imprint module;
+* ``strongest`` - a combination (no paper's attack): GRNN's generator as the start of CPL-regularised
+  L-BFGS on the pixels, with inferred label counts and restarts (:mod:`attacks.strongest`).
 
 Each attack's defaults (``dlg-original`` aside) are the strongest measured setting at a stated budget (docs/benchmarks.md,
 "Attack strength"). Build one by name with :func:`build_attack`; run it on an :class:`AttackInput`, or
@@ -38,6 +40,7 @@ from . import (  # noqa: F401  (registration)
     membership_server,
     regularised,
     robbing,
+    strongest,
 )
 from .base import ATTACKS, Attack, AttackInput, AttackResult, register
 

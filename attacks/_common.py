@@ -188,9 +188,8 @@ class Target:
         return fedavg_distance(self.model, x, y, self.update, self.recipe, names=self.matched, metric=metric,
                                weights=self.weights, schedule=schedule), None
 
-    def infer_labels(self, batch_size: int, input_shape: Sequence[int] | None = None,
-                     gen: torch.Generator | None = None) -> torch.Tensor:
-        return infer_labels(self.model, self.grads, batch_size, input_shape=input_shape, gen=gen)
+    def infer_labels(self, batch_size: int) -> torch.Tensor:
+        return infer_labels(self.model, self.grads, batch_size)
 
 
 def prepare_target(inp: AttackInput, muted: Sequence[str] = (), weights: Any = None) -> Target:
@@ -216,7 +215,7 @@ def choose_labels(mode: str, target: Target, inp: AttackInput, batch_size: int) 
         if len(y) != batch_size:
             raise ValueError(f"known_labels has {len(y)} entries for a batch of {batch_size}")
         return y.to(inp.device)
-    return target.infer_labels(batch_size, inp.input_shape, generator(inp, 0x1AB)).to(inp.device)
+    return target.infer_labels(batch_size).to(inp.device)
 
 
 def generator(inp: AttackInput, salt: int = 0) -> torch.Generator:

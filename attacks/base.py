@@ -125,6 +125,21 @@ class Attack:
 ATTACKS.base = Attack
 
 
+def config_model(cfg: Mapping[str, Any]) -> nn.Module | None:
+    """A fresh global model as the config describes it (for an attack's ``validate_config``), or None when
+    the model itself has a problem (:func:`fedsim.config.model_problem` reports it, naming model.name) or
+    the data are not available here."""
+    import torch
+
+    from fedsim.config import model_problem
+    from fedsim.factories import model_for
+
+    if input_shape(cfg) is None or model_problem(cfg) is not None:
+        return None
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+        return model_for(cfg)
+
+
 def input_shape(cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
     """The config's input shape ((C, H, W) images, (F,) records), or None when its dataset cannot be
     loaded here (config validation tolerates that; the run reports it before anything is written)."""

@@ -11,7 +11,7 @@ over the BN layers ``l`` (per-channel mean and biased variance of the layer's in
 them in training mode). Where the targets ``mu*``/``var*`` come from is a threat-model question
 (:data:`BN_TARGETS`):
 
-* ``"running"`` (default): the running statistics stored in the global model (``running_mean``,
+* ``"running"``: the running statistics stored in the global model (``running_mean``,
   ``running_var`` buffers). The server has them: it sent them. Yin et al. use these (of a trained
   ResNet-50). They describe the data the global model has seen, not the victim's batch; in round 1 of
   an untrained model they are the initial 0 / 1.
@@ -20,7 +20,8 @@ them in training mode). Where the targets ``mu*``/``var*`` come from is a threat
   et al. 2020 and of seed 004's evaluation, Huang et al. 2021 discuss it). :func:`batch_bn_stats`
   computes such a grant from the true batch; only an experiment harness that simulates this threat
   model may call it.
-* ``"update"``: the victim's statistics as a plain curious server reads them from the update itself.
+* ``"update"`` (``ig-bn``'s and ``ig-fr``'s default): the victim's statistics as a plain curious server
+  reads them from the update itself.
   When the client returns its BN buffers (FedAvg on the whole state dict, as fedsim does), one local
   step moves ``running_mean`` to ``(1 - m) running_mean + m mu_batch`` and ``running_var`` to
   ``(1 - m) running_var + m var_batch_unbiased`` (``m`` the BN momentum), so the batch statistics are

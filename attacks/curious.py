@@ -49,7 +49,6 @@ from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
 
 from attacks.base import AttackInput
 from fedsim import progress
@@ -66,6 +65,8 @@ def select_truth(recon: torch.Tensor, truth_x: torch.Tensor, truth_y: torch.Tens
     """From more candidate truths than reconstructions, keep the best-matching subset (min total MSE)."""
     if len(truth_x) <= len(recon):
         return truth_x, truth_y
+    from scipy.optimize import linear_sum_assignment  # here: the import costs a second at start-up
+
     cost = ((recon.flatten(1)[:, None, :] - truth_x.flatten(1)[None, :, :]) ** 2).mean(-1).numpy()
     _, cols = linear_sum_assignment(cost)
     idx = torch.as_tensor(np.sort(cols))
@@ -510,6 +511,7 @@ class CuriousServer(Observer):
             a2.plot(acc, ssim, marker="o", label=name)
         what = "MSE of reconstruction (standardised)" if self.records else "SSIM of reconstruction"
         a1.set_xlabel("round")
+        a1.xaxis.get_major_locator().set_params(integer=True)  # rounds, not 2.5
         a1.set_ylabel(what)
         a2.set_xlabel("global test accuracy")
         a2.set_ylabel(what)
@@ -540,8 +542,8 @@ class CuriousServer(Observer):
                 mean = np.nanmean(vals) if np.isfinite(vals).any() else np.nan
                 ax.bar(xs, vals, width, label=f"{name} (mean {mean:.3g})")
         for ax, (_, key) in zip((a1, a2), keys):
-            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(victims))], [f"client {v}" for v in victims],
-                          fontsize=7)
+            centre = (len(self.names) - 1) * width / 2  # the middle of a victim's group of bars
+            ax.set_xticks([i + centre for i in range(len(victims))], [f"client {v}" for v in victims], fontsize=7)
             ax.set_ylabel(key)
             ax.grid(alpha=0.3, axis="y")
             ax.legend(fontsize=7)

@@ -165,10 +165,13 @@ class DLG(Attack):
         return out
 
     def _attempt(self, inp: AttackInput, target: Target, y_fixed: torch.Tensor | None,
-                 attempt: int, iterations: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                 attempt: int, iterations: int, start: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """One attempt from the ``init`` draw of ``attempt`` or, given, from the images ``start``."""
         B = inp.batch_size
         gen = generator(inp, attempt)
-        x = init_dummy(self.init, (B, *inp.input_shape), gen, self.pattern).to(inp.device).requires_grad_(True)
+        x0 = init_dummy(self.init, (B, *inp.input_shape), gen, self.pattern) if start is None else start.detach()
+        x = x0.clone().to(inp.device).requires_grad_(True)
         variables = [x]
         if y_fixed is None:
             y_logits = torch.randn((B, inp.num_classes), generator=gen).to(inp.device).requires_grad_(True)

@@ -22,13 +22,20 @@ the generator) or an area-resized copy of it (``fit="resize"``).
 
 Widths: the public implementation's plan is ``S * 2^(n-1)`` channels at 4x4 for ``n`` upsampling
 blocks after the first, halving per block (128, 64, 32 for 32x32); ``max_width`` caps every level.
-The default cap is 32 (32, 32, 32 channels): the paper's text fixes no widths, and on the sigmoid LeNet
-at batch 8 the narrow generator recovered as many images as the public plan (7/24 vs 4/24 images with
-SSIM >= 0.9, 2000 steps, inferred labels) at a fraction of the CPU time (``max_width=512`` restores
-the plan).
+The default cap is 16 (16, 16, 16 channels): the paper's text fixes no widths; on the sigmoid LeNet at
+batch 8 (40 unseen test images, 3000 steps, inferred labels) caps of 32, 16 and 8 recovered 0.35, 0.38
+and 0.23 of the images with SSIM >= 0.9 at 4.0x, 2.7x and 2.5x the floor's time per evaluation
+(docs/benchmarks.md); the cap was 32 before (measured then: as many images at batch 8 as the public
+plan, ``max_width=512``, at a fraction of the CPU time).
+
+Cost per step (profiled, docs/benchmarks.md): the gradient matching is the floor's work; on top come
+the generator's forward and backward (the convolutions at 16x16 and 32x32 dominate: their cost grows
+with the width), the RMSprop step over the generator's weights (most of them in the 4x4 stem), the sort
+of the Wasserstein term and the TV term. The fixed target gradient is sorted once per attempt and
+RMSprop runs on torch's multi-tensor (``foreach``) path; both leave the results unchanged.
 
 Labels: ``labels="idlg"`` (the default) fixes the labels inferred from the gradient
-(:mod:`attacks.labels`: exact at batch 1, a count estimate above) and leaves the label branch unused;
+(:mod:`attacks.labels`: exact at batch 1, class counts above) and leaves the label branch unused;
 ``"generated"`` (the paper) takes the argmax of the label branch; ``"known"`` the threat model's labels.
 Inferred labels are the stronger choice an attacker can make from what it sees (measured at batch 8,
 3 victims: label accuracy 1.0 inferred vs 0.92 generated; on benchmarks/attack_strength.py's 5 victims
@@ -161,35 +168,59 @@ def build_generator(latent_dim: int, num_classes: int, out_shape: Sequence[int],
 
 
 # ---------------------------------------------------------------- the loss
-def wasserstein(a: torch.Tensor, b: torch.Tensor, mode: str) -> torch.Tensor:
+def wasserstein(a: torch.Tensor, b: torch.Tensor, mode: str, b_sorted: bool = False) -> torch.Tensor:
     """Distance between two flat gradient vectors ``(..., n)`` (batched over leading dimensions).
 
     ``w1``/``w2``: the 1-D Wasserstein-1/-2 distance between the empirical distributions of their
     entries (sort both, compare quantiles: ``mean |a_(i) - b_(i)|`` resp. its root-mean-square);
     ``l2norm``: ``||a - b||_2``, the quantity the public GRNN code computes under the name
-    "wasserstein_distance"; ``none``: 0.
+    "wasserstein_distance"; ``none``: 0. ``b_sorted``: ``b`` is already sorted along its last dimension
+    (the target gradient is fixed, so an attack sorts it once).
     """
     if mode == "l2norm":
         return (a - b).pow(2).sum(-1).clamp_min(1e-30).sqrt()
     if mode == "none":
         return a.new_zeros(a.shape[:-1])
-    sa, sb = torch.sort(a, dim=-1).values, torch.sort(b, dim=-1).values
+    sa, sb = torch.sort(a, dim=-1).values, (b if b_sorted else torch.sort(b, dim=-1).values)
     if mode == "w1":
         return (sa - sb).abs().mean(-1)
     return (sa - sb).pow(2).mean(-1).clamp_min(1e-30).sqrt()
 
 
+def _flat(tensors: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor | None,
+          stacked: bool) -> torch.Tensor:
+    """The tensors flattened into one vector (per victim when ``stacked``), each scaled by the square
+    root of its layer weight (weights ``(A, L)`` when stacked)."""
+    lead = tensors[0].shape[:1] if stacked else ()
+    if weights is None:
+        return torch.cat([t.reshape(*lead, -1) for t in tensors], -1)
+
+    def sq(i: int):
+        return weights[:, i].sqrt().unsqueeze(1) if stacked else math.sqrt(float(weights[i]))
+
+    return torch.cat([t.reshape(*lead, -1) * sq(i) for i, t in enumerate(tensors)], -1)
+
+
+def sorted_target(target: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor | None, wd: str,
+                  stacked: bool = False) -> torch.Tensor | None:
+    """The target gradient as :func:`grnn_loss`'s Wasserstein term compares it, sorted once (None where
+    the term sorts nothing)."""
+    if wd not in ("w1", "w2"):
+        return None
+    return torch.sort(_flat([t.detach() for t in target], weights, stacked), dim=-1).values
+
+
 def grnn_loss(dummy: Sequence[torch.Tensor], target: Sequence[torch.Tensor],
               weights: Sequence[float] | torch.Tensor | None, wd: str,
-              stacked: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+              stacked: bool = False, target_sorted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(MSE + WD, MSE)`` between two gradient lists (``MSE``: the weighted squared L2 distance).
 
     ``stacked``: every tensor has a leading victim dimension ``A`` and ``weights`` is ``(A, L)`` or None;
     the result is then ``(A,)``. Layer weights scale the squared distance of their tensor and, by their
-    square root, its entries in the Wasserstein term.
+    square root, its entries in the Wasserstein term. ``target_sorted``: :func:`sorted_target` of
+    ``target`` (saves sorting the fixed target at every step; the result is the same).
     """
     lead = dummy[0].shape[:1] if stacked else ()
-    L = len(dummy)
 
     def w(i: int):
         if weights is None:
@@ -199,17 +230,10 @@ def grnn_loss(dummy: Sequence[torch.Tensor], target: Sequence[torch.Tensor],
     mse = sum(w(i) * (d - t).pow(2).reshape(*lead, -1).sum(-1) for i, (d, t) in enumerate(zip(dummy, target)))
     if wd == "none":
         return mse, mse
-    if weights is None:
-        fd = torch.cat([d.reshape(*lead, -1) for d in dummy], -1)
-        ft = torch.cat([t.reshape(*lead, -1) for t in target], -1)
-    else:
-        def sq(i: int):
-            wi = w(i)
-            return wi.sqrt().unsqueeze(1) if stacked else math.sqrt(wi)
-
-        fd = torch.cat([dummy[i].reshape(*lead, -1) * sq(i) for i in range(L)], -1)
-        ft = torch.cat([target[i].reshape(*lead, -1) * sq(i) for i in range(L)], -1)
-    return mse + wasserstein(fd, ft, wd), mse
+    fd = _flat(dummy, weights, stacked)
+    if target_sorted is not None and wd in ("w1", "w2"):
+        return mse + wasserstein(fd, target_sorted, wd, b_sorted=True), mse
+    return mse + wasserstein(fd, _flat(target, weights, stacked), wd), mse
 
 
 def tv_loss(x: torch.Tensor) -> torch.Tensor:
@@ -228,7 +252,7 @@ class GRNN(Attack):
     * ``tv`` (1e-3): weight alpha of the total-variation term (the paper: 1e-3 for LeNet, 1e-6 for
       ResNet-18);
     * ``wd`` (``"w2"``): the Wasserstein term, see :func:`wasserstein`;
-    * ``latent_dim`` (128), ``max_width`` (32): generator size; ``fit`` (``"crop"``): non-power-of-two
+    * ``latent_dim`` (128), ``max_width`` (16): generator size; ``fit`` (``"crop"``): non-power-of-two
       resolutions, see the module doc;
     * ``labels`` (``"idlg"``): see the module doc;
     * ``muted``, ``layer_weights``: as for the other attacks;
@@ -244,7 +268,7 @@ class GRNN(Attack):
     def __init__(self, iterations: Count = 3000, lr: Positive = 1e-4,
                  momentum: Annotated[float, Range(0, 1, open_high=True)] = 0.99, tv: NonNegative = 1e-3,
                  wd: Annotated[str, OneOf(*WD_MODES)] = "w2", latent_dim: Count = 128,
-                 max_width: Annotated[int, Range(2)] = 32, fit: Annotated[str, OneOf(*FITS)] = "crop",
+                 max_width: Annotated[int, Range(2)] = 16, fit: Annotated[str, OneOf(*FITS)] = "crop",
                  labels: Annotated[str, OneOf(*LABEL_MODES)] = "idlg", muted: Muted = None,
                  layer_weights: LayerWeights = None, threshold: Threshold = 1e-4, restarts: Count = 1,
                  fedavg_aware: bool = False):
@@ -275,10 +299,11 @@ class GRNN(Attack):
         z = torch.randn((n, self.latent_dim), generator=rng).to(inp.device)
         return gen, z
 
-    def _gradient_loss(self, target: Target, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _gradient_loss(self, target: Target, x: torch.Tensor, y: torch.Tensor,
+                       tsorted: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.fedavg_aware:
             grads, _ = target.dummy_gradients(x, y)
-            return grnn_loss(grads, target.matched_grads, target.weights, self.wd)
+            return grnn_loss(grads, target.matched_grads, target.weights, self.wd, target_sorted=tsorted)
         schedule = assumed_schedule(len(x), target.recipe)
         lr = float(target.recipe[LR])
         scale = -1.0 / (lr * len(schedule))
@@ -291,14 +316,15 @@ class GRNN(Attack):
         gen, z = self._start(inp, n, attempt)
         # with fixed labels the label branch is unused
         params = [p for name, p in gen.named_parameters() if y_fixed is None or not name.startswith("label.")]
-        opt = torch.optim.RMSprop(params, lr=self.lr, momentum=self.momentum)
+        opt = torch.optim.RMSprop(params, lr=self.lr, momentum=self.momentum, foreach=True)
+        tsorted = None if self.fedavg_aware else sorted_target(target.matched_grads, target.weights, self.wd)
         losses: list[float] = []
         best_x, best_y, best_loss = None, None, math.inf
         converged_at = None
         for it in range(self.iterations):
             x, yp = gen(z)
             y = yp if y_fixed is None else y_fixed
-            gl, mse = self._gradient_loss(target, x, y)
+            gl, mse = self._gradient_loss(target, x, y, tsorted)
             loss = gl + self.tv * tv_loss(x) if self.tv else gl
             value = float(loss.detach())
             if not math.isfinite(value):
@@ -360,9 +386,10 @@ class GRNN(Attack):
         fixed = torch.stack([y_fixed[v] for v in todo]).to(dev) if y_fixed is not None else None
         params = [p for g, _ in starts for name, p in g.named_parameters()
                   if fixed is None or not name.startswith("label.")]
-        opt = torch.optim.RMSprop(params, lr=self.lr, momentum=self.momentum)
+        opt = torch.optim.RMSprop(params, lr=self.lr, momentum=self.momentum, foreach=True)
         victims = torch.tensor(todo, dtype=torch.long, device=dev)
         target, weights = st.select(victims)
+        tsorted = sorted_target(target, weights, self.wd, stacked=True)
 
         def generate() -> tuple[torch.Tensor, torch.Tensor]:
             outs = [g(z) for g, z in starts]
@@ -379,7 +406,7 @@ class GRNN(Attack):
             x, yp = generate()
             y = yp if fixed is None else fixed
             grads, _ = st.dummy_gradients(x, y)
-            gl, mse = grnn_loss(grads, target, weights, self.wd, stacked=True)
+            gl, mse = grnn_loss(grads, target, weights, self.wd, stacked=True, target_sorted=tsorted)
             loss = gl + self.tv * tv_loss(x) if self.tv else gl
             lv, mv = loss.detach().tolist(), mse.detach().tolist()
             for j in range(A):

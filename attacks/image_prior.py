@@ -25,39 +25,44 @@ def _gn(channels: int) -> nn.GroupNorm:
 
 
 class _Block(nn.Module):
-    def __init__(self, cin: int, cout: int):
+    """``convs`` 3x3 convolutions with group normalisation and LeakyReLU, and a (1x1 where the widths
+    differ) skip connection around them."""
+
+    def __init__(self, cin: int, cout: int, convs: int = 2):
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
         self.norm1 = _gn(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
-        self.norm2 = _gn(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1) if convs > 1 else None
+        self.norm2 = _gn(cout) if convs > 1 else None
         self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.leaky_relu(self.norm1(self.conv1(x)), 0.2)
-        h = self.norm2(self.conv2(h))
+        h = self.norm1(self.conv1(x))
+        if self.conv2 is not None:
+            h = self.norm2(self.conv2(F.leaky_relu(h, 0.2)))
         return F.leaky_relu(h + self.skip(x), 0.2)
 
 
 class ImagePrior(nn.Module):
     """``forward()`` returns ``batch`` images shaped ``out_shape`` (C, H, W) with values in (0, 1).
 
-    ``width`` channels at full resolution (``2 width`` and ``4 width`` below), ``code_channels``
-    channels of fixed N(0, 1) code per image at full resolution.
+    ``width`` channels at full resolution (``2 width`` and ``4 width`` below), ``depth`` convolutions per
+    block (2: two per block, the usual U-Net block; 1: one), ``code_channels`` channels of fixed N(0, 1)
+    code per image at full resolution.
     """
 
     def __init__(self, out_shape: Sequence[int], batch: int, gen: torch.Generator, width: int = 16,
-                 code_channels: int = 8):
+                 code_channels: int = 8, depth: int = 2):
         super().__init__()
         c, h, w = (int(s) for s in out_shape)
         self.out_shape = (c, h, w)
         self.register_buffer("code", torch.randn((batch, code_channels, h, w), generator=gen))
         w1, w2, w3 = width, 2 * width, 4 * width
-        self.enc1 = _Block(code_channels, w1)
-        self.enc2 = _Block(w1, w2)
-        self.mid = _Block(w2, w3)
-        self.dec2 = _Block(w3 + w2, w2)
-        self.dec1 = _Block(w2 + w1, w1)
+        self.enc1 = _Block(code_channels, w1, depth)
+        self.enc2 = _Block(w1, w2, depth)
+        self.mid = _Block(w2, w3, depth)
+        self.dec2 = _Block(w3 + w2, w2, depth)
+        self.dec1 = _Block(w2 + w1, w1, depth)
         self.out = nn.Conv2d(w1, c, 1)
         self.reset_parameters(gen)
 

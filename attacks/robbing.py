@@ -26,7 +26,7 @@ from typing import Annotated, Any, Mapping
 
 import torch
 
-from fedsim.models.imprint import ImprintBlock
+from fedsim.models.imprint import IMPRINT_TRANSFORM, ImprintBlock
 from fedsim.params import Range
 from fedsim.protocol import BATCH_SIZE
 
@@ -67,9 +67,14 @@ class RobbingTheFed(Attack):
         self.labels, self.tolerance = labels, float(tolerance)
 
     def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        super().validate_config(cfg)
         if not cfg["model"].get("imprint_bins"):
             raise ValueError("the malicious-server attack needs the imprinted model (model.imprint_bins) and the "
                              "server transform [[transforms]] name = 'robbing-imprint'")
+        if not any(isinstance(t, Mapping) and t.get("name") == IMPRINT_TRANSFORM for t in cfg.get("transforms") or []):
+            raise ValueError(f"it needs the server transform [[transforms]] name = '{IMPRINT_TRANSFORM}' that "
+                             "imprints the model it sends: with model.imprint_bins alone the imprint block keeps its "
+                             "random weights and what the attack reads back is not the victims' inputs")
 
     def run(self, inp: AttackInput) -> AttackResult:
         t0 = time.perf_counter()

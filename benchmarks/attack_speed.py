@@ -115,6 +115,11 @@ def floor_rate(inp: AttackInput, seconds: float) -> float:
     return _rate(step, seconds, inp.device)
 
 
+def floor_seconds(inp: AttackInput, seconds: float) -> float:
+    """Seconds per evaluation of the floor (:func:`floor_rate`)."""
+    return 1.0 / floor_rate(inp, seconds)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -132,14 +137,17 @@ def _rate(step, seconds: float, device: torch.device) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def attack_rate(name: str, inp: AttackInput, seconds: float, guess: float) -> float:
-    """Iterations per second from a long and a short run (set-up cost cancels)."""
+def attack_rate(name: str, inp: AttackInput, seconds: float, guess: float, extra: dict | None = None) -> float:
+    """Iterations per second from a long and a short run (set-up cost cancels). ``name`` may be a
+    variant ``NAME@LABEL`` whose parameters ``extra`` adds to the per-iteration settings."""
+    base = name.split("@")[0]
+    params = {**PER_ITERATION[base], **(extra or {})}
     short = max(5, int(guess * seconds * 0.2))
     long = max(short + 10, int(guess * seconds))
     times, its = [], []
-    build_attack(name, iterations=3, **PER_ITERATION[name]).run(inp)  # warm-up (lazy kernel initialisation)
+    build_attack(base, **{**params, "iterations": 3}).run(inp)  # warm-up (lazy kernel initialisation)
     for n in (short, long):
-        attack = build_attack(name, iterations=n, **PER_ITERATION[name])
+        attack = build_attack(base, **{**params, "iterations": n})
         _sync(inp.device)
         t0 = time.perf_counter()
         res = attack.run(inp)
@@ -151,13 +159,14 @@ def attack_rate(name: str, inp: AttackInput, seconds: float, guess: float) -> fl
     return (its[1] - its[0]) / (times[1] - times[0])
 
 
-def victims_rate(name: str, batch: int, victims: int, device: torch.device) -> dict[str, Any]:
+def victims_rate(name: str, batch: int, victims: int, device: torch.device, extra: dict | None = None) -> dict[str, Any]:
     """Victims per second one by one and stacked, with the mean SSIM of each (on the LeNet, or the
     BatchNorm LeNet for attacks that need BatchNorm)."""
+    name = name.split("@")[0]
     model_key = "lenet" if supports(name, "lenet") else "lenet-bn"
     vs = [victim(model_key, batch, device, start=37 * k, seed=k) for k in range(victims)]
     inputs = [v[0] for v in vs]
-    params = dict(PER_ITERATION[name], iterations=VICTIM_ITERATIONS[name])
+    params = {**PER_ITERATION[name], **(extra or {}), "iterations": VICTIM_ITERATIONS[name]}
     attack = build_attack(name, **params)
     build_attack(name, **dict(params, iterations=3)).run_many(inputs[:2])  # warm-up
     _sync(device)
@@ -186,27 +195,33 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the best rate is kept")
     ap.add_argument("--attacks", default=",".join(ATTACKS))
     ap.add_argument("--victims", type=int, default=8, help="victims per round for run_many (0: skip)")
+    ap.add_argument("--models", default=",".join(PER_ITERATION_MODELS), help="models of the per-iteration table")
+    ap.add_argument("--set", action="append", default=[], metavar="ATTACK.KEY=VALUE",
+                    help="parameters of an attack or of a variant NAME@LABEL listed in --attacks")
     args = ap.parse_args(argv)
+    from attack_strength import parse_sets
+
+    sets = parse_sets(args.set)
     torch.set_num_threads(args.threads)
     try:
         device = resolve_device(args.device)
     except (RuntimeError, ValueError) as exc:
         ap.error(f"--device: {exc}")
     names = args.attacks.split(",")
-    unknown = [n for n in names if n not in PER_ITERATION]
+    unknown = [n for n in names if n.split("@")[0] not in PER_ITERATION]
     if unknown:
         ap.error(f"--attacks: {unknown} not among {list(PER_ITERATION)}")
     print(f"torch {torch.__version__}, device {device}, threads {torch.get_num_threads()}")
     # warm-up: the first backward of a process is slow
     floor_rate(victim("lenet", 1, device)[0], 0.2)
-    configs = [(m, b) for m in PER_ITERATION_MODELS for b in (1, 8)]
+    configs = [(m, b) for m in args.models.split(",") for b in (1, 8)]
     inputs = {c: victim(*c, device)[0] for c in configs}
     best: dict[tuple, dict[str, float]] = {c: {} for c in configs}
     for _ in range(args.repeats):  # interleaved repeats, best of each: robust to other load on the machine
         for c in configs:
             fl = floor_rate(inputs[c], args.seconds)
-            rates = {"floor": fl, **{n: attack_rate(n, inputs[c], args.seconds, fl) for n in names
-                                     if supports(n, c[0])}}
+            rates = {"floor": fl, **{n: attack_rate(n, inputs[c], args.seconds, fl, sets.get(n)) for n in names
+                                     if supports(n.split("@")[0], c[0])}}
             best[c] = {k: max(best[c].get(k, 0.0), v) for k, v in rates.items()}
     print("\nIterations per second, and time per iteration over the floor's")
     print(f"{'model':8} {'batch':>5} {'floor it/s':>11} " + " ".join(f"{n + ' it/s':>10} {'/floor':>6}" for n in names))
@@ -223,7 +238,7 @@ def main(argv=None) -> None:
               f"{'speed-up':>8} {'SSIM one':>8} {'SSIM stacked':>12}")
         for batch in (1, 8):
             for n in names:
-                r = victims_rate(n, batch, args.victims, device)
+                r = victims_rate(n, batch, args.victims, device, sets.get(n))
                 note = "" if r["stacked"] else "  (not stacked: one by one)"
                 print(f"{n:6} {r['model']:8} {batch:5d} {r['iterations']:5d} {r['one']:8.2f} {r['many']:11.2f} "
                       f"{r['speedup']:8.2f} {r['ssim_one']:8.3f} {r['ssim_many']:12.3f}{note}", flush=True)

@@ -12,11 +12,10 @@ usual approximation (as in Abadi et al.'s own experiments).
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 import torch
-from opacus.accountants import RDPAccountant
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -26,6 +25,9 @@ from fedsim.factories import model_for, partitions_for
 from fedsim.privacy import AGAINST_SERVER, Mechanism, epsilon
 from fedsim.protocol import BATCH_SIZE, recipe_of
 from fedsim.training import Recipe, iter_batches
+
+if TYPE_CHECKING:
+    from opacus.accountants import RDPAccountant
 
 
 def per_sample_gradients(module: nn.Module, params: dict[str, torch.Tensor], rest: dict[str, torch.Tensor],
@@ -154,6 +156,8 @@ class DPSGD(Defense):
 
     # -- accountant state in ctx.state
     def _load_accountant(self, ctx: DefenseContext) -> RDPAccountant:
+        from opacus.accountants import RDPAccountant  # here: the import costs seconds at start-up
+
         acct = RDPAccountant()
         hist = ctx.state.get(self.STATE_KEY)
         if hist is not None:

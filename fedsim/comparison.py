@@ -16,6 +16,7 @@ compare RUN...`` (existing run or sweep folders). Everything is read back from r
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -25,6 +26,7 @@ import numpy as np
 from fedsim.privacy_utility import plot_privacy_utility, privacy_columns
 from fedsim.reports import md_table, read_jsonl
 
+log = logging.getLogger("fedsim")
 ID_COLUMNS = ("variant", "run", "seed", "seeds", "runs", "n")
 
 
@@ -32,11 +34,15 @@ def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, An
     """One run folder as a row (see the module docstring). ``full`` adds every numeric key of each
     leakage entry (``<attack>.mse``, ``.iterations``, ``.rmse`` = sqrt of the mean MSE, ...) and of the
     last round's metrics (``final.<key>``), for experiment tables that name them; a run with one attack
-    also gets its columns as ``attack.<metric>``, and ``best_accuracy``, the global model's accuracy in its
-    best round."""
+    also gets its columns as ``attack.<metric>``, ``best_accuracy``, the global model's accuracy in its
+    best round, and every metric's mean over the training rounds (``mean.<key>``, e.g.
+    ``mean.strategy.weights_entropy``)."""
     run_dir = Path(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_json(run_dir / "summary.json")
     rows = read_jsonl(run_dir / "metrics.jsonl")
+    if not all(isinstance(r, dict) and isinstance(r.get("round"), int) for r in rows):
+        raise ValueError(f"{run_dir / 'metrics.jsonl'}: every line must be a round's row (a JSON object with "
+                         "an integer 'round'), as fedsim writes it")
     train_rounds = [r for r in rows if r["round"] >= 2] or [r for r in rows if r["round"] >= 1]
     secs = [r["seconds"] for r in train_rounds]
     row: dict[str, Any] = {"variant": label, "status": summary.get("status", "completed"),
@@ -69,11 +75,30 @@ def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, An
         row.update({f"final.{k}": v for k, v in last.items() if _number(v)})
         if _number(summary.get("best_accuracy")):  # the best round's global accuracy (papers that report it)
             row["best_accuracy"] = summary["best_accuracy"]
+        trained = [r for r in rows if r["round"] >= 1]
+        for k in dict.fromkeys(k for r in trained for k in r):  # the mean over the training rounds
+            vals = [float(r[k]) for r in trained if _number(r.get(k))]
+            if vals and k != "round":
+                row[f"mean.{k}"] = float(np.mean(vals))
         leaks = summary.get("leakage", [])
         if len(leaks) == 1:  # one attack: also as attack.<metric>, so a table can compare runs of different attacks
             row.update({f"attack.{k[len(leaks[0]['attack']) + 1:]}": v for k, v in list(row.items())
                         if k.startswith(leaks[0]["attack"] + ".")})
     return row
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file; a file that is unreadable, not JSON or not an object is a ValueError
+    naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, as fedsim writes it; got {type(data).__name__}")
+    return data
 
 
 def _number(v: Any) -> bool:
@@ -215,27 +240,73 @@ def run_folders(path: str | Path) -> list[tuple[str, list[Path]]]:
     if (p / "sweep.jsonl").is_file():
         out = []
         for r in read_jsonl(p / "sweep.jsonl"):
+            if not isinstance(r, dict) or "variant" not in r:
+                raise ValueError(f"{p / 'sweep.jsonl'}: every line must be a variant's row with a 'variant', "
+                                 "as fedsim writes it")
             runs = r.get("runs") or [r.get("run")]
-            out.append((str(r["variant"]), [p / str(x) for x in runs if x]))
+            out.append((str(r["variant"]), [p / str(x) for x in (runs if isinstance(runs, list) else [runs]) if x]))
         return out
     raise ValueError(f"{str(p)!r} is neither a run folder (summary.json, metrics.jsonl) nor a sweep folder "
                      "(sweep.jsonl); an unfinished run has no summary.json yet")
 
 
+def _setting(run_dir: Path) -> dict[str, Any]:
+    """What makes two runs comparable: their length (the last round in metrics.jsonl), seed and dataset
+    (from the run's resolved ``config.toml``; missing: None)."""
+    import tomllib
+
+    try:
+        cfg = tomllib.loads((run_dir / "config.toml").read_text())
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError):
+        cfg = {}
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    return {"rounds": rows[-1]["round"] if rows else None, "seed": cfg.get("seed"),
+            "dataset": (cfg.get("data") or {}).get("dataset")}
+
+
+def mismatches(groups: Sequence[tuple[str, Sequence[str | Path]]]) -> list[str]:
+    """One line for each of length (rounds), seeds and dataset in which the compared entries differ: their
+    final numbers then differ for that reason too. A sweep variant's entry stands for all its seeds."""
+    settings = {label: [_setting(Path(d)) for d in dirs] for label, dirs in groups}
+    out = []
+    for key, what in (("rounds", "length (rounds)"), ("seed", "seeds"), ("dataset", "dataset")):
+        per = {label: sorted({s[key] for s in ss}, key=str) for label, ss in settings.items()}
+        if len({tuple(v) for v in per.values()}) > 1:
+            shown = [f"{label}: {', '.join(map(str, v))}" for label, v in per.items()]
+            out.append(f"the compared runs differ in {what}: " + "; ".join(shown[:8])
+                       + (f"; ... ({len(shown) - 8} more)" if len(shown) > 8 else ""))
+    return out
+
+
 def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparison") -> list[dict[str, Any]]:
     """``fedsim compare``: rows (mean ± std over a sweep variant's seeds), ``comparison.md``,
-    ``comparison.csv`` and ``comparison.png`` in ``out``. Returns the rows."""
+    ``comparison.csv`` and ``comparison.png`` in ``out``. Entries that differ in length, seeds or dataset
+    (:func:`mismatches`) get a warning on the fedsim log and in ``comparison.md``. Returns the rows."""
     from fedsim.export import write_csv
     from fedsim.reports import atomic_write_text
 
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} exists and is not a folder")
     groups: list[tuple[str, list[Path]]] = []
     for p in paths:
         groups += run_folders(p)
     labels = [g[0] for g in groups]
     groups = [(f"{lab} [{i}]" if labels.count(lab) > 1 else lab, dirs) for i, (lab, dirs) in enumerate(groups)]
-    rows = [mean_std_rows(label, [run_row(label, d) for d in dirs]) for label, dirs in groups]
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for label, dirs in groups:
+        per_run = []
+        for d in dirs:
+            try:
+                per_run.append(run_row(label, d))
+            except (KeyError, TypeError, AttributeError, IndexError) as exc:  # valid JSON, not fedsim's
+                raise ValueError(f"{d}: summary.json / metrics.jsonl are not as fedsim writes them "
+                                 f"({type(exc).__name__}: {exc})") from None
+        rows.append(mean_std_rows(label, per_run))
+    warnings = mismatches(groups)
+    for w in warnings:
+        log.warning("compare: %s", w)
+    out.mkdir(parents=True, exist_ok=True)  # everything is read: nothing below fails on the runs' files
     plot_comparison(groups, rows, out / "comparison.png", title)
     figures = privacy_figure(rows, out)
     cols = table_columns(rows)
@@ -244,6 +315,7 @@ def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparis
             "Accuracy/loss: the global model on the test set after the last round; leakage columns: mean over "
             "the attacked updates; `round_seconds`: median wall time of rounds >= 2. Sweep variants with several "
             "seeds show mean ± sample standard deviation.\n",
+            *(f"**Warning:** {w}.\n" for w in warnings),
             comparison_table(rows, cols, table_formats(cols)),
             "\n![comparison](comparison.png)\n", *figures,
             "Runs: " + ", ".join(f"{label}: " + ", ".join(str(d) for d in dirs) for label, dirs in groups) + "\n"]

@@ -11,6 +11,7 @@ before anything is written. Validation needs the plugins registered: load config
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import tomllib
@@ -25,6 +26,7 @@ from fedsim.components import (
     STRATEGIES,
     TRANSFORMS,
     ConfigError,
+    missing_plugin_file,
 )
 from fedsim.params import Constraint, OneOf, Range, check_constraints
 
@@ -68,7 +70,11 @@ SCHEMA: dict[str, Field] = {
                           "import reference 'module:function' / 'path/file.py:function' (docs/plugins.md)"),
     "data.params": Field(dict, {}, help="keyword parameters of your own dataset function"),
     "data.partition": Field(str, "iid", OneOf("iid", "dirichlet", "pathological", "natural"),
-                            help="natural: one source per client (datasets with sources, e.g. synthetic-2d)"),
+                            help="natural: one source per client (datasets with sources, e.g. synthetic-2d, "
+                            "or data.styles)"),
+    "data.styles": Field(list, [], help="feature shift: the images drawn in one style per source, e.g. "
+                         "[\"plain\", \"inverted\"] (with partition = \"natural\": one style per client); "
+                         "styles: plain, inverted, rotated, low-contrast, blurred, thick"),
     "data.alpha": Field(NUM, 0.5, Range(1e-6), help="Dirichlet concentration"),
     "data.classes_per_client": Field(int, 2, Range(1), help="pathological: classes per client"),
     "data.min_per_class": Field(int, 10, Range(1), help="pathological: fewest samples per class"),
@@ -227,13 +233,21 @@ def read_toml(path: str | Path, what: str = "config file") -> dict[str, Any]:
         raise ConfigError(f"{what} {str(p)!r} is not valid TOML: {exc}") from exc
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Defaults <- TOML file <- overrides, then :func:`validate`. Returns the resolved config."""
+def read_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Defaults <- TOML file <- overrides, plugin file references made absolute, then the first pass
+    (:func:`precheck`: no heavy import). The config still needs :func:`validate`."""
     cfg = defaults()
     if path is not None:
         _merge(cfg, read_toml(path))
     apply_overrides(cfg, overrides)
     absolute_references(cfg)
+    precheck(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Defaults <- TOML file <- overrides, then :func:`validate`. Returns the resolved config."""
+    cfg = read_config(path, overrides)
     validate(cfg)
     return cfg
 
@@ -260,8 +274,12 @@ def _typename(t: type | tuple[type, ...]) -> str:
     return names.get(t, t.__name__)
 
 
-def validate(cfg: dict[str, Any]) -> None:
-    """Check every key; raise ConfigError naming the first bad one."""
+def precheck(cfg: dict[str, Any]) -> None:
+    """The first pass of :func:`validate`: everything that can be checked without importing torch, Flower,
+    Ray or a plugin, so that a typo is reported at once: the sections and every key of :data:`SCHEMA`
+    (names, types, ranges, choices), the rules between them, the shape of the component sections, the
+    local CPUs a Ray run asks for, and that every plugin file a component name refers to exists. The
+    components' names and parameters need the plugins: :func:`validate` checks them next."""
     for section, _value in cfg.items():
         if section == "variants":
             raise ConfigError("this is a sweep file ([[variants]]): run it with `fedsim sweep FILE`")
@@ -290,18 +308,40 @@ def validate(cfg: dict[str, Any]) -> None:
     if data["min_per_class"] > data["max_per_class"]:
         raise ConfigError(f"data.min_per_class ({data['min_per_class']}) must be <= data.max_per_class "
                           f"({data['max_per_class']})")
-    if data["partition"] == "natural":
-        from fedsim.data import DATASETS
-
-        if not DATASETS[data["dataset"]].sources:
-            raise ConfigError(f"data.partition = 'natural' needs a dataset with natural sources "
-                              f"({sorted(n for n, e in DATASETS.items() if e.sources)}), got {data['dataset']!r}")
+    if data["styles"] and not all(isinstance(x, str) for x in data["styles"]):
+        raise ConfigError(f"data.styles must be a list of style names, got {data['styles']!r}")
     if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
         raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
-    check_model_and_data(cfg)
     for section in LIST_SECTIONS:
         if not isinstance(cfg.get(section, []), list) or not all(isinstance(d, dict) for d in cfg.get(section, [])):
             raise ConfigError(f"{section} must be a list of tables ([[{section}]] with name = ...)")
+    _check_simulation(cfg["simulation"])
+    for where, name in component_names(cfg):
+        problem = missing_plugin_file(name)
+        if problem:
+            raise ConfigError(f"{where}: {problem}")
+
+
+def validate(cfg: dict[str, Any]) -> None:
+    """Check every key; raise ConfigError naming the first bad one. :func:`precheck` first (no heavy
+    imports), then what needs the plugins, torch and the data: model and dataset names and parameters,
+    the device, every component section (:func:`build_components`) and the data."""
+    precheck(cfg)
+    data = cfg["data"]
+    if data["styles"]:  # (the styles module imports torch: not in precheck)
+        from fedsim.data.styles import check_styles
+
+        try:
+            check_styles(data["styles"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if data["partition"] == "natural" and not data["styles"]:
+        from fedsim.data import DATASETS
+
+        if data["dataset"] not in DATASETS or not DATASETS[data["dataset"]].sources:
+            raise ConfigError(f"data.partition = 'natural' needs a dataset with natural sources "
+                              f"({sorted(n for n, e in DATASETS.items() if e.sources)}), got {data['dataset']!r}")
+    check_model_and_data(cfg)
     if cfg["device"] != "auto":
         from fedsim.training import resolve_device
 
@@ -309,13 +349,14 @@ def validate(cfg: dict[str, Any]) -> None:
             resolve_device(cfg["device"])
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"device: {exc}") from exc
-    _check_simulation(cfg["simulation"])
+    _check_gpus(cfg["simulation"])
     build_components(cfg)
     check_data(cfg, require_available=False)
 
 
 def _check_simulation(sim: Mapping[str, Any]) -> None:
-    """Resources a local Ray cluster can never give (Flower's engine would stall waiting for clients)."""
+    """Resources a local Ray cluster can never give (Flower's engine would stall waiting for clients):
+    the CPUs here; the GPUs in :func:`_check_gpus` (they need torch)."""
     if sim.get("ray_address") and sim["backend"] != "ray":
         raise ConfigError(f"simulation.ray_address = {sim['ray_address']!r} joins a Ray cluster, but "
                           f"simulation.backend = {sim['backend']!r} runs no Ray: set simulation.backend = \"ray\"")
@@ -325,15 +366,19 @@ def _check_simulation(sim: Mapping[str, Any]) -> None:
     if sim["num_cpus"] > cpus:
         raise ConfigError(f"simulation.num_cpus = {sim['num_cpus']} is more than this machine's {cpus} CPUs: "
                           "no client actor could start")
-    if sim["num_gpus"] > 0:
-        import torch
 
-        if not torch.cuda.is_available():
-            raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} but this machine has no GPU "
-                              "(CUDA is not available): no client actor could start")
-        if sim["num_gpus"] > torch.cuda.device_count():
-            raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} is more than this machine's "
-                              f"{torch.cuda.device_count()} GPUs")
+
+def _check_gpus(sim: Mapping[str, Any]) -> None:
+    if sim["backend"] != "ray" or sim.get("ray_address") or not sim["num_gpus"] > 0:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} but this machine has no GPU "
+                          "(CUDA is not available): no client actor could start")
+    if sim["num_gpus"] > torch.cuda.device_count():
+        raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} is more than this machine's "
+                          f"{torch.cuda.device_count()} GPUs")
 
 
 def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
@@ -355,6 +400,9 @@ def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
         return
     except ValueError as exc:  # root_size and other dataset parameters
         raise ConfigError(str(exc)) from None
+    problem = model_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     try:
         parts = partitions_for(cfg)
     except ValueError as exc:
@@ -364,6 +412,55 @@ def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
         raise ConfigError(f"data.partition = {cfg['data']['partition']!r} leaves clients {empty[:5]} without "
                           f"samples ({len(ds.y_train)} training samples, federation.num_clients = "
                           f"{cfg['federation']['num_clients']})")
+
+
+def model_problem(cfg: Mapping[str, Any]) -> str | None:
+    """What is wrong with the model the config describes on its data, found before anything runs: it
+    cannot be built (a plugin raising, returning something that is not an ``nn.Module``), or its forward
+    on two examples raises or does not return ``(batch, num_classes)`` logits. The message names
+    ``model.name``; None when the model works. Cached per (model, data) sections."""
+    import json
+
+    return _model_problem(json.dumps({"model": cfg["model"], "data": cfg["data"]}, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=16)
+def _model_problem(text: str) -> str | None:
+    import json
+
+    import torch
+
+    from fedsim.data import DatasetUnavailable
+    from fedsim.factories import dataset_for, model_for
+
+    cfg = json.loads(text)
+    name = cfg["model"]["name"]
+    try:
+        ds = dataset_for(cfg)
+    except DatasetUnavailable:
+        return None  # reported where the data is needed
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+        try:
+            model = model_for(cfg)
+        except ConfigError as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - a plugin's (or the data's) failure: one line naming the key
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return msg[len("ValueError: "):] if msg.startswith("ValueError: model.") else f"model.name {name!r}: {msg}"
+        x = ds.x_test[:2] if len(ds.x_test) else ds.x_train[:2]
+        try:
+            model.train()
+            with torch.no_grad():
+                out = model(x)
+        except Exception as exc:  # noqa: BLE001
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return f"model.name {name!r}: its forward on {len(x)} inputs of shape {tuple(x.shape[1:])} raised {msg}"
+    want = (len(x), ds.num_classes)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return (f"model.name {name!r}: its forward on {len(x)} inputs of shape {tuple(x.shape[1:])} returned "
+                f"{got}; fedsim needs logits of shape (batch, num_classes) = {want}")
+    return None
 
 
 def check_model_and_data(cfg: Mapping[str, Any]) -> None:
@@ -403,33 +500,58 @@ def check_model_and_data(cfg: Mapping[str, Any]) -> None:
         DATA_PLUGINS.check_params(loader, d["dataset"], d.get("params") or {}, "data.params")
 
 
+def _name_slots(cfg: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """Every place where ``cfg`` names a component by a string - model, dataset, rule, channel,
+    transforms, defenses, Flower mods, observers, attacks: (its key, the table or list holding the
+    name, the name's key or index there). Malformed sections are skipped (validation reports them)."""
+    slots: list[tuple[str, Any, Any]] = []
+    for section, key in (("model", "name"), ("data", "dataset"), ("strategy", "name"), ("channel", "name")):
+        if isinstance(cfg.get(section), dict) and isinstance(cfg[section].get(key), str):
+            slots.append((f"{section}.{key}", cfg[section], key))
+    client = cfg.get("client")
+    lists = [(section, cfg.get(section)) for section in LIST_SECTIONS]
+    lists.append(("client.flower_mods", client.get("flower_mods") if isinstance(client, dict) else None))
+    for where, entries in lists:
+        for i, e in enumerate(entries if isinstance(entries, list) else []):
+            if isinstance(e, dict) and isinstance(e.get("name"), str):
+                slots.append((f"{where}[{i}].name", e, "name"))
+    obs = cfg["output"].get("observers") if isinstance(cfg.get("output"), dict) else None
+    for i, o in enumerate(obs if isinstance(obs, list) else []):
+        if isinstance(o, str):
+            slots.append((f"output.observers[{i}]", obs, i))
+        elif isinstance(o, dict) and isinstance(o.get("name"), str):
+            slots.append((f"output.observers[{i}].name", o, "name"))
+    att = cfg.get("attack")
+    if isinstance(att, dict) and isinstance(att.get("name"), str):
+        slots.append(("attack.name", att, "name"))
+    elif isinstance(att, dict) and isinstance(att.get("name"), list):
+        slots += [(f"attack.name[{i}]", att["name"], i) for i, n in enumerate(att["name"]) if isinstance(n, str)]
+    return slots
+
+
+def _attack_params(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    att = cfg.get("attack")
+    params = att.get("params") if isinstance(att, dict) else None
+    return params if isinstance(params, dict) else None
+
+
+def component_names(cfg: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(key, name) of every component ``cfg`` names, the attacks' parameter tables included."""
+    names = [(where, holder[k]) for where, holder, k in _name_slots(cfg)]
+    return names + [(f"attack.params.{k!r}", k) for k in (_attack_params(cfg) or {})]
+
+
 def absolute_references(cfg: dict[str, Any], base: str | None = None) -> None:
     """Make every plugin file reference in ``cfg`` absolute (relative paths are taken from ``base``,
     default the working directory), so that processes started elsewhere (Ray workers, ``flwr run``'s
     ServerApp) import the same files. Called by :func:`load_config` before validation."""
     from fedsim.components import absolute_reference as ab
 
-    for section, key in (("model", "name"), ("data", "dataset"), ("strategy", "name"), ("channel", "name")):
-        if isinstance(cfg.get(section), dict) and isinstance(cfg[section].get(key), str):
-            cfg[section][key] = ab(cfg[section][key], base)
-    client = cfg.get("client")
-    lists = [cfg.get(section) for section in LIST_SECTIONS]
-    lists.append(client.get("flower_mods") if isinstance(client, dict) else None)
-    for entries in lists:  # malformed sections are left for validate() to report
-        for e in entries if isinstance(entries, list) else []:
-            if isinstance(e, dict) and "name" in e:
-                e["name"] = ab(e["name"], base)
-    obs = cfg["output"].get("observers") if isinstance(cfg.get("output"), dict) else None
-    if isinstance(obs, list):
-        cfg["output"]["observers"] = [ab(o, base) if isinstance(o, str) else
-                                      ({**o, "name": ab(o["name"], base)} if isinstance(o, dict) and "name" in o else o)
-                                      for o in obs]
-    att = cfg.get("attack")
-    if isinstance(att, dict) and "name" in att:
-        att["name"] = [ab(n, base) for n in att["name"]] if isinstance(att["name"], list) else ab(att["name"], base)
-        params = att.get("params")
-        if isinstance(params, dict):
-            att["params"] = {ab(k, base): v for k, v in params.items()}
+    for _, holder, k in _name_slots(cfg):
+        holder[k] = ab(holder[k], base)
+    params = _attack_params(cfg)
+    if params is not None:
+        cfg["attack"]["params"] = {ab(k, base): v for k, v in params.items()}
 
 
 # keys that moved to another section: the error says where

@@ -72,7 +72,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fedsim.params import Satisfies
+from fedsim.params import ConfigError, Constraint
 
 Layer = tuple[torch.Tensor, "torch.Tensor | None"]  # (weight (n_out, n_in), bias (n_out,) or None)
 LOSSES = ("mse", "cross_entropy")
@@ -320,18 +320,38 @@ class Secrets:
         return row[:, None] * col[None, :], row
 
 
-def _is_interval(value: Any) -> bool:
-    return (isinstance(value, (tuple, list)) and len(value) == 2
-            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
-            and 0 < value[0] <= value[1])
+# bounds of the noise ranges (multiplicative, gamma, additive): each end in [1e-6, 1e6] and high / low at
+# most 1e6. The recovery's float64 error grows with (high / low)^2 (docs/lossless.md "Numerics": 1e-5
+# relative at [1e-3, 1e3]); far outside, the perturbed model overflows float32 on its way to the clients
+RANGE_BOUNDS = (1e-6, 1e6)
+MAX_RANGE_RATIO = 1e6
 
 
-# the noise ranges' constraint (the transform's signature uses it too: fedsim.params)
-INTERVAL = Satisfies(_is_interval, "a pair [low, high] of finite numbers with 0 < low <= high")
+class NoiseRange(Constraint):
+    """A noise range ``[low, high]``: finite, positive, ``low <= high``, within :data:`RANGE_BOUNDS` and
+    ``high / low <=`` :data:`MAX_RANGE_RATIO` (the transform's signature declares it: fedsim.params)."""
+
+    def describe(self) -> str:
+        return "a pair [low, high] of finite numbers with 0 < low <= high"
+
+    def check(self, key: str, value: Any) -> None:
+        ok = (isinstance(value, (tuple, list)) and len(value) == 2
+              and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
+        if not ok or not (0 < value[0] <= value[1]):
+            raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
+        lo, hi = float(value[0]), float(value[1])
+        if lo < RANGE_BOUNDS[0] or hi > RANGE_BOUNDS[1] or hi / lo > MAX_RANGE_RATIO:
+            raise ConfigError(f"{key} must lie in [{RANGE_BOUNDS[0]:g}, {RANGE_BOUNDS[1]:g}] with high / low <= "
+                              f"{MAX_RANGE_RATIO:g} (the recovery's float64 error grows with (high / low)^2; "
+                              f"docs/lossless.md), got {value!r}")
 
 
-def _interval(key: str, value: Any) -> tuple[float, float]:
-    INTERVAL.check(f"lossless.{key}", value)
+NOISE_RANGE = NoiseRange()
+
+
+def check_range(key: str, value: Any) -> tuple[float, float]:
+    """A noise range as floats (:class:`NoiseRange`; the error names ``key``)."""
+    NOISE_RANGE.check(key, value)
     return float(value[0]), float(value[1])
 
 
@@ -382,9 +402,9 @@ def draw_secrets(shapes: Sequence[tuple[int, int]], m: int, generator: torch.Gen
         raise ValueError(f"lossless.groups (m) must be 1 with mode='shift', got {m}")
     if not isinstance(generator, torch.Generator):
         raise ValueError("draw_secrets needs a torch.Generator (explicit seeding)")
-    mlo, mhi = _interval("multiplicative", multiplicative)
-    glo, ghi = _interval("gamma", gamma)
-    alo, ahi = _interval("additive", additive)
+    mlo, mhi = check_range("lossless.multiplicative", multiplicative)
+    glo, ghi = check_range("lossless.gamma", gamma)
+    alo, ahi = check_range("lossless.additive", additive)
     r = tuple(_log_uniform(n, mlo, mhi, generator) for n, _ in shapes[:-1])
     perm = torch.randperm(n_out, generator=generator)
     groups = torch.empty(n_out, dtype=torch.int64)

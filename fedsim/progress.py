@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import os
 import sys
 import threading
@@ -86,6 +87,30 @@ def say(message: str) -> None:
     """One progress line (``[fedsim] message``) on stderr, flushed."""
     if enabled():
         print(f"{PREFIX} {message}", file=_stream(), flush=True)
+
+
+class OnceToStderr(logging.Handler):
+    """fedsim's log records at WARNING and above as ``[fedsim] warning: ...`` lines on stderr, each distinct
+    message once per process (a check that runs at config load, in the runner and in the server warns
+    once), at every level: ``--quiet`` silences progress, not warnings."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message in self.seen:
+            return
+        self.seen.add(message)
+        print(f"{PREFIX} {record.levelname.lower()}: {message}", file=_stream(), flush=True)
+
+
+def log_to_stderr(logger: str = "fedsim") -> None:
+    """Send ``logger``'s warnings through :class:`OnceToStderr` (the CLI calls this; idempotent)."""
+    log = logging.getLogger(logger)
+    if not any(isinstance(h, OnceToStderr) for h in log.handlers):
+        log.addHandler(OnceToStderr())
 
 
 def interval() -> float:

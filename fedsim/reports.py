@@ -13,8 +13,6 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from fedsim.protocol import TRAIN_LOSS
-
 
 def _jsonable(x: Any) -> Any:
     if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
@@ -96,14 +94,14 @@ def append_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
 def read_jsonl(path: str | Path, skip_bad: bool = False) -> list[dict[str, Any]]:
     """The rows of a JSONL file; ``skip_bad`` drops lines that do not parse (a line cut by a crash)."""
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
-        except ValueError:
+        except ValueError as exc:
             if not skip_bad:
-                raise
+                raise ValueError(f"{path}: line {n} is not valid JSON ({exc})") from None
     return rows
 
 
@@ -144,6 +142,7 @@ def plot_accuracy(rows: Sequence[Mapping[str, Any]], path: Path, title: str = ""
     rounds = [r["round"] for r in rows]
     ax.plot(rounds, [r["accuracy"] for r in rows], marker="o", label="test accuracy")
     ax.set_xlabel("round")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # rounds, not 2.5
     ax.set_ylabel("accuracy")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
@@ -189,11 +188,17 @@ def _time_split(summary: Mapping[str, Any]) -> str:
     return f" ({', '.join(f'{names[k]} {v:.1f} s' for k, v in parts)})" if parts else ""
 
 
+def _count(n: Any, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
 def write_report(out: Path, cfg: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], summary: Mapping[str, Any],
                  sections: Sequence[str] = ()) -> None:
     """``report.md``: run settings, the accuracy plot, per-round table, observer sections."""
+    from fedsim.protocol import TRAIN_LOSS  # here: fedsim.protocol imports Flower; reading reports needs none
+
     fed, data, model, train = cfg["federation"], cfg["data"], cfg["model"], cfg["train"]
-    steps = f"{train['local_steps']} steps" if train.get("local_steps") else f"{train['local_epochs']} epochs"
+    steps = _count(train["local_steps"], "step") if train.get("local_steps") else _count(train["local_epochs"], "epoch")
     defenses = ", ".join(d["name"] for d in cfg.get("defenses", [])) or "none"
     final = summary.get("final_accuracy")
     final_text = "-" if final is None else f"{final:.4f}"

@@ -344,7 +344,7 @@ def local_train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, recipe: Reci
             dmetrics[NOISE_VARIANCE] = declared
         extras = runner.reply_extras()
     metrics = {TRAIN_LOSS: total_loss / max(seen, 1), TRAIN_ACCURACY: total_correct / max(seen, 1),
-               "local_steps": float(steps), "train_seconds": time.perf_counter() - t0, **dmetrics}
+               LOCAL_STEPS: steps, "train_seconds": time.perf_counter() - t0, **dmetrics}
     return TrainResult(weights, len(y), metrics, new_state, extras)
 
 
@@ -384,6 +384,19 @@ def _forward_without_side_effects(model: nn.Module, x: torch.Tensor) -> torch.Te
     out = model(x)
     for b, saved in buffers:
         b.copy_(saved)
+    return out
+
+
+@torch.no_grad()
+def source_accuracies(model: nn.Module, ds: Any, device: torch.device | str = "cpu") -> list[float]:
+    """The model's accuracy on each source's share of the test set (``ds.test_sources``, in the order of
+    ``ds.source_names``); empty for a dataset without test sources."""
+    if ds.test_sources is None or not ds.source_names:
+        return []
+    out = []
+    for s in range(len(ds.source_names)):
+        idx = torch.nonzero(ds.test_sources == s).flatten()
+        out.append(evaluate(model, ds.x_test[idx], ds.y_test[idx], device)[1] if len(idx) else float("nan"))
     return out
 
 

@@ -59,7 +59,7 @@ _SALT = 0x5EC2E7  # separates the secrets' stream from every other stream derive
 CLIENT_DEFENSE = "lossless-client"
 
 
-Interval = Annotated[Sequence[float], ll.INTERVAL]
+NoiseRange = Annotated[Sequence[float], ll.NOISE_RANGE]
 
 
 def loss_name(train_loss: str) -> str:
@@ -108,13 +108,13 @@ class LosslessPerturbation(ServerTransform):
     requires = frozenset({INDIVIDUAL, PLAINTEXT_AGGREGATE})  # it reads each reply's noise terms
 
     def __init__(self, groups: Annotated[int, Range(1)] = 1, mode: Annotated[str, OneOf(*MODES)] = "auto",
-                 multiplicative: Interval = (0.1, 10.0), gamma: Interval = (0.1, 10.0), additive: Interval = (0.5, 1.5),
+                 multiplicative: NoiseRange = (0.1, 10.0), gamma: NoiseRange = (0.1, 10.0), additive: NoiseRange = (0.5, 1.5),
                  secrets_from: Annotated[str, OneOf(*SECRET_SOURCES)] = "seed", probe: Annotated[int, Range(0)] = 8):
         if mode == "shift" and groups != 1:
             raise ValueError(f"groups must be 1 with mode = 'shift' (a uniform shift has one group), got {groups}")
         self.groups, self.mode, self.secrets_from, self.probe = groups, mode, secrets_from, probe
-        self.ranges = {"multiplicative": (float(multiplicative[0]), float(multiplicative[1])),
-                       "gamma": (float(gamma[0]), float(gamma[1])), "additive": (float(additive[0]), float(additive[1]))}
+        self.ranges = {k: (float(v[0]), float(v[1])) for k, v in
+                       (("multiplicative", multiplicative), ("gamma", gamma), ("additive", additive))}
         self._true: list[ll.Layer] | None = None  # the true global model, float64
         self._returned: list[np.ndarray] | None = None  # what after_aggregate gave the engine
         self._round: dict[str, Any] = {}

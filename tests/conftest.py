@@ -3,6 +3,8 @@
 * Every test session runs with Ray's temp dir (``RAY_TMPDIR``, honoured by Ray 2.55's
   ``get_default_system_temp_dir``) and ``FLWR_HOME`` inside a pytest temp folder, with Ray's
   accelerator-env override off and Flower/Ray logs quiet (:func:`_isolated_env`, autouse).
+* Every Ray simulation of a test process runs on one Ray runtime, started by the first and stopped at
+  the end of the session (:func:`_one_ray_runtime`).
 * The test process uses one torch thread (``FEDSIM_TEST_THREADS``, default 1): on a 2-core machine
   shared with other processes, two OpenMP threads made small LeNet steps 5-10x slower.
 * :func:`make_small_cfg` / the ``small_cfg`` fixture build a *validated* config for fast in-process
@@ -85,6 +87,17 @@ def _isolated_env(tmp_path_factory: pytest.TempPathFactory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_ray_runtime(_isolated_env):
+    """The Ray simulations of this test process share one Ray runtime and, where their resources per
+    client match, its warm client actors (:mod:`fedsim.app.ray_runtime`): Ray starts once per process
+    instead of once per test, and stops before its temp folder is removed."""
+    from fedsim.app.ray_runtime import shared
+
+    with shared():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ import torch
 from attacks import AttackInput, build_attack
 from attacks._common import prepare_target
 from attacks.batched import BatchedLBFGS, StackedTarget, group_inputs
-from attacks.grnn import GRNNGenerator, build_generator, wasserstein
+from attacks.grnn import GRNNGenerator, build_generator, grnn_loss, sorted_target, wasserstein
 from fedsim.data.registry import load_dataset
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
@@ -97,6 +97,18 @@ def test_wasserstein_distances():
     assert float(wasserstein(a, c, "w2")) == pytest.approx(0.5)
     stacked = wasserstein(torch.stack([a, a]), torch.stack([b, c]), "w1")
     assert stacked.shape == (2,) and stacked.tolist() == pytest.approx([0.0, 0.5])
+    # the attack sorts the fixed target once (sorted_target); the loss and its gradient are unchanged
+    g = torch.Generator().manual_seed(3)
+    target = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)]
+    weights = [1.0, 0.25]
+    for w in (None, weights):
+        for wd in ("w1", "w2"):
+            dummy = [torch.randn(4, 3, generator=g, requires_grad=True), torch.randn(5, generator=g, requires_grad=True)]
+            ref, _ = grnn_loss(dummy, target, w, wd)
+            fast, _ = grnn_loss(dummy, target, w, wd, target_sorted=sorted_target(target, w, wd))
+            torch.testing.assert_close(fast, ref)
+            for a_, b_ in zip(torch.autograd.grad(ref, dummy), torch.autograd.grad(fast, dummy)):
+                torch.testing.assert_close(a_, b_)
 
 
 def test_grnn_large_batch_and_multistep_updates():
@@ -129,6 +141,10 @@ def test_grnn_parameters_validate():
                      ("labels", "joint"), ("latent_dim", 0), ("max_width", 1), ("restarts", 0)):
         with pytest.raises(ValueError, match=rf"attack\.{key}"):
             build_attack("grnn", **{key: bad})
+    for key, bad in (("iterations", 0), ("warm", 0), ("restarts", 0), ("labels", "joint"), ("alpha", -1.0),
+                     ("max_width", 1), ("lr", 0)):
+        with pytest.raises(ValueError, match=rf"attack\.{key}"):
+            build_attack("strongest", **{key: bad})
 
 
 # ------------------------------------------------------------------ batched machinery
@@ -322,13 +338,38 @@ def test_stacked_attacks_report_progress_and_stop_when_asked(monkeypatch, capsys
             assert any(f"it {it}/4  min distance " in ln and "victims 2/2" in ln for ln in lines), (name, lines)
         assert "done in" in lines[-1]
 
+    # the stop is requested from another thread (as Ray's signal handler does) during iteration 3; the loop
+    # must end at its next safe point - counted in iterations, not seconds (robust to a loaded machine)
     stop = StopSignal()
     attack = build_attack("idlg", iterations=10**6, patience=None, threshold=None)  # minutes if not stopped
-    timer = threading.Timer(0.5, stop.request, args=("SIGINT",))
-    with stop.watching():
-        t0 = time.perf_counter()
-        timer.start()
+    ticks: list[int] = []
+    tick = progress.tick
+
+    def counting(done, *a, **k):
+        ticks.append(done)
+        if done == 3:
+            t = threading.Thread(target=stop.request, args=("SIGINT",))
+            t.start()
+            t.join()
+        tick(done, *a, **k)  # a safe point: raises RunInterrupted once the stop is requested
+
+    monkeypatch.setattr(progress, "tick", counting)
+    t0 = time.perf_counter()
+    with stop.watching(), progress.task("attack idlg", total=10**6):
         with pytest.raises(RunInterrupted, match="SIGINT"):
             attack.run_many(inputs)
-    took = time.perf_counter() - t0
-    assert took < 2.5, took  # measured 0.52 s: one iteration after the request
+    assert ticks == [1, 2, 3]  # no iteration after the one in which the stop was requested
+    print(f"stopped after {time.perf_counter() - t0:.2f} s")  # measured 0.52 s (reported, not asserted)
+
+
+def test_strongest_recovers_a_small_batch():
+    """The combined preset (attacks.strongest: label counts from the gradient, GRNN's generator as the start
+    of L-BFGS on the pixels) recovers a batch of 2 within a small budget: measured SSIM 0.998 and 0.999
+    after 100 generator steps and 199 L-BFGS iterations (0.977 and 0.990 after 60 and 139; about 8 CPU
+    seconds; the benchmark measures it at its defaults)."""
+    (victim,) = make_round([range(600, 602)], model_seed=5)
+    res = build_attack("strongest", iterations=300, warm=100).run(victim[0])
+    (s,) = scores([res], [victim])
+    assert s["label_acc"] == 1.0 and min(s["per_image"]["ssim"]) >= 0.95, s["per_image"]["ssim"]
+    rounds = res.trace["rounds"]
+    assert res.trace["iterations"] <= 300 and rounds[0]["generator"] == 100 and rounds[0]["polish"] > 0

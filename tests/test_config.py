@@ -51,6 +51,21 @@ BAD = [
      ["defenses[0] (dp-sgd)", "BatchNorm", "model.norm"]),
     ("nan-defense-param", ['defenses=[{name="gaussian-noise", sigma=nan}]'], None,
      ["defenses[0].sigma", "finite"]),
+    # NaN and infinity: comparisons with NaN are false, so a range check alone would let them through
+    ("nan-lr", ["train.lr=nan"], None, ["train.lr", "finite", "nan"]),
+    ("nan-alpha", ["data.alpha=nan"], None, ["data.alpha", "finite"]),
+    ("nan-val-fraction", ["data.val_fraction=nan"], None, ["data.val_fraction", "finite"]),
+    ("nan-client-fraction", ["evaluate.client_fraction=nan"], None, ["evaluate.client_fraction", "finite"]),
+    ("inf-round-timeout", ["federation.round_timeout=inf"], None, ["federation.round_timeout", "finite", "inf"]),
+    ("minus-inf-momentum", ["train.momentum=-inf"], None, ["train.momentum", "finite"]),
+    ("nan-rounds", ["federation.rounds=nan"], None, ["federation.rounds", "an integer"]),
+    ("nan-transform-param", ['transforms=[{name="mp-compensation", Q=nan}]'], None, ["transforms[0].Q", "finite"]),
+    ("nan-inside-a-list-param", ['transforms=[{name="lossless-perturbation", multiplicative=[nan, 1.0]}]'],
+     None, ["transforms[0].multiplicative[0]", "finite"]),
+    ("inf-attack-param", ['attack={name="dlg", params={dlg={lr=inf}}}'], None, ["attack.params.dlg.lr", "finite"]),
+    ("nan-attack-threshold", ['attack={name="dlg", ssim_threshold=nan}'], None, ["attack.ssim_threshold", "finite"]),
+    ("nan-flower-mod-param", ['client.flower_mods=[{name="local-dp", clipping_norm=nan, sensitivity=1.0, '
+                              'epsilon=1.0, delta=1e-5}]'], None, ["client.flower_mods[0].clipping_norm", "finite"]),
     ("bad-partition", ['data.partition="shards"'], None, ["data.partition", "iid", "dirichlet", "pathological"]),
     ("steps-and-epochs", ["train.local_steps=2"], None, ["train.local_steps", "train.local_epochs", "exactly one"]),
     ("neither-steps-nor-epochs", [], "[train]\nlr = 0.1\n", ["train.local_steps", "train.local_epochs"]),
@@ -209,3 +224,43 @@ def test_default_experiment_is_valid():
     cfg = load_config(DEFAULT_TOML)
     assert cfg["train"]["local_epochs"] and cfg["train"]["local_steps"] is None
     assert load_config(None, ["train.local_steps=1"])["train"]["local_steps"] == 1
+
+
+CHILD = """
+import json, sys
+from fedsim.app.cli import main
+out = []
+for argv in json.loads(sys.argv[1]):
+    rc = main(argv)
+    out.append([rc, sorted(m for m in ("torch", "flwr", "ray") if m in sys.modules)])
+print(json.dumps(out))
+"""
+
+
+def test_bad_keys_and_missing_files_are_reported_before_torch_flower_or_ray_is_imported(tmp_path):
+    """The first pass of validation (fedsim.config.precheck) imports nothing heavy: a typo in a key, a bad
+    value of the schema, a missing config or plugin file, in a run, a sweep or an experiment, exit 2 with
+    one line naming it while torch, Flower and Ray are still not imported (a fresh process)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import child_pythonpath
+
+    cases = [(["run", "experiments/default.toml", "--set", "federation.bogus=1"], "federation.bogus"),
+             (["run", str(tmp_path / "missing.toml")], "missing.toml"),
+             (["run", "experiments/default.toml", "--set", 'defenses=[{name="no_such_plugin.py:Defense"}]'],
+              "defenses[0].name: plugin file"),
+             (["sweep", "experiments/defenses.toml", "--set", "train.lr=-1"], "train.lr must be >="),
+             (["experiment", "seed004-systematic", "--quick", "--set", "data.partition=diagonal"], "data.partition")]
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps([argv for argv, _ in cases])], cwd=root,
+                       env={**os.environ, "PYTHONPATH": child_pythonpath()}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout.splitlines()[-1]) == [[2, []]] * len(cases)
+    errors = [x for x in p.stderr.splitlines() if x.startswith("fedsim: error:")]
+    assert len(errors) == len(cases)
+    for line, (_, what) in zip(errors, cases):
+        assert what in line, line

@@ -488,6 +488,34 @@ def test_sweep_over_two_seeds_reports_mean_and_std_and_compare_reads_it_back(tmp
     assert cli_main(["compare", str(tmp_path / "nothing-here")]) == 2
 
 
+def test_compare_warns_when_the_runs_differ_in_length_seed_or_dataset(small_cfg, tmp_path, capsys, caplog):
+    """A 2-round run beside a 1-round run of another seed: one warning line each for the length and the
+    seeds (on stderr and in comparison.md), none for the dataset they share; runs that match: none."""
+    import logging
+
+    from fedsim.app.runner import run_experiment
+
+    caplog.set_level(logging.WARNING, logger="fedsim")
+    a = run_experiment(small_cfg("federation.rounds=2", "seed=0"), out=tmp_path / "a", progress=False)
+    b = run_experiment(small_cfg("federation.rounds=1", "seed=1"), out=tmp_path / "b", progress=False)
+    assert cli_main(["compare", str(a), str(b), "--out", str(tmp_path / "ab")]) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if "warning" in x]
+    assert err == ["[fedsim] warning: compare: the compared runs differ in length (rounds): a: 2; b: 1",
+                   "[fedsim] warning: compare: the compared runs differ in seeds: a: 0; b: 1"]
+    md = (tmp_path / "ab" / "comparison.md").read_text()
+    assert "differ in length (rounds): a: 2; b: 1" in md and "differ in seeds" in md and "dataset" not in md
+    c = tmp_path / "c"  # run a's folder with another dataset in its config
+    shutil.copytree(a, c)
+    (c / "config.toml").write_text((a / "config.toml").read_text().replace('"fmnist-small"', '"mnist"'))
+    assert cli_main(["compare", str(a), str(c), "--out", str(tmp_path / "ac")]) == 0
+    assert [x for x in capsys.readouterr().err.splitlines() if "warning" in x] == [
+        "[fedsim] warning: compare: the compared runs differ in dataset: a: fmnist-small; c: mnist"]
+    twin = tmp_path / "twin"
+    shutil.copytree(a, twin)
+    assert cli_main(["compare", str(a), str(twin), "--out", str(tmp_path / "aa")]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
 def tomllib_seed(run_dir: Path) -> int:
     import tomllib
 
@@ -511,8 +539,10 @@ def test_attack_command_shows_progress_while_it_runs_and_stops_on_ctrl_c(tmp_pat
     """`fedsim attack` in a subprocess: iteration lines (with the gradient distance) arrive on stderr
     while the process is still running, not only at the end; Ctrl-C (SIGINT) in the middle of the attack
     ends it at once with exit 130, one line and no traceback (the attack would otherwise run for minutes).
-    Running to the end is checked in-process (tests/test_curious.py)."""
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "FEDSIM_PROGRESS_INTERVAL": "0.2"}
+    "At once" is counted in iterations (a line per iteration: none after the process's own notice of the
+    signal), not in seconds, so a loaded machine does not fail it. Running to the end is checked
+    in-process (tests/test_curious.py)."""
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "FEDSIM_PROGRESS_INTERVAL": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "fedsim", "attack", "--attack", "idlg", "--out",
                              str(tmp_path / "a"), "--set", "attack.params.idlg.iterations=100000",
                              "--set", "attack.params.idlg.patience=100000", "--set", "attack.params.idlg.threshold=0.0"],
@@ -527,18 +557,20 @@ def test_attack_command_shows_progress_while_it_runs_and_stops_on_ctrl_c(tmp_pat
                     break
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - t0
+        _, err = proc.communicate(timeout=600)  # a hang guard (measured 1.6 s; 30 s on a 10x loaded machine)
+        print(f"stopped {time.monotonic() - t0:.1f} s after the signal")
     finally:
         if proc.poll() is None:
             proc.kill()
     lines += err.splitlines(keepends=True)
-    assert live == 3, "".join(lines)  # measured: a line every 0.2 s from the first iteration on
+    assert live == 3, "".join(lines)  # iteration lines arrive while the attack runs
     assert any("round   1/1" in x for x in lines)
     assert proc.returncode == 130, "".join(lines[-20:])
     assert "Traceback" not in err and "fedsim: interrupted by SIGINT" in err, err
     assert "stopped after" in err  # the attack's progress says it was stopped, not done
-    assert took < 10, took  # measured 1.6 s on a loaded 2-core machine (most of it: summary, report, exit)
+    noticed = next(i for i, x in enumerate(lines) if "SIGINT: stopping the attack" in x)
+    later = [x for x in lines[noticed:] if "attack idlg: client 0, round 1  it " in x and "stopped after" not in x]
+    assert later == [], later  # no iteration after the process saw the signal
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["status"] == "interrupted"
 
 
@@ -559,7 +591,7 @@ def test_quiet_and_default_progress(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("verbose", [False, True], ids=["default", "verbose"])
-def test_verbose_lets_flower_and_ray_logs_through(tmp_path, monkeypatch, caplog, verbose):
+def test_verbose_lets_flower_and_ray_logs_through(tmp_path, monkeypatch, caplog, capsys, verbose):
     """``fedsim run`` hides Flower's and Ray's own logs (Flower's logger at ERROR; ``ray.init`` told to log
     at ERROR, which sets Ray's logger, and to send no worker logs to the driver); ``--verbose`` lets them
     through. Ray is never started: Flower's ``run_simulation`` is replaced by a probe that records what
@@ -587,8 +619,7 @@ def test_verbose_lets_flower_and_ray_logs_through(tmp_path, monkeypatch, caplog,
     cfg.write_text('[federation]\nrounds = 1\nnum_clients = 2\n[train]\nlocal_steps = 1\n')
     argv = ["run", str(cfg), "--out", str(tmp_path / "run"), "--backend", "ray"]
     try:
-        with pytest.raises(Probe):
-            cli_main(argv + (["--verbose"] if verbose else []))
+        assert cli_main(argv + (["--verbose"] if verbose else [])) == 1
     finally:
         for name in ("flwr", "ray"):  # back to the test session's quiet logs
             logging.getLogger(name).setLevel(logging.ERROR)
@@ -602,13 +633,16 @@ def test_verbose_lets_flower_and_ray_logs_through(tmp_path, monkeypatch, caplog,
         assert seen["init"]["logging_level"] == "ERROR" and seen["init"]["log_to_driver"] is False
         assert flwr_lines == []
     assert not (tmp_path / "run").exists()  # the probe stopped it before round 1: nothing half-way kept
+    err = capsys.readouterr().err  # one line; the traceback only with --verbose
+    assert "fedsim: the run failed before completing a round: Probe (nothing written" in err
+    assert ("Traceback" in err) == verbose
 
 
 def test_help_and_version_do_not_import_torch():
     code = ("import sys\nfrom fedsim.app.cli import build_parser\np = build_parser()\n"
             "try:\n    p.parse_args(['--version'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": child_pythonpath()}, timeout=60)
+                         env={**os.environ, "PYTHONPATH": child_pythonpath()}, timeout=600)
     assert res.stdout.strip().splitlines() == ["fedsim 0.1.0", "False"], res.stdout + res.stderr
 
 

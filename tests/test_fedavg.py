@@ -327,3 +327,16 @@ def test_run_experiment_writes_the_run_folder(small_cfg, tmp_path):
     assert list(saved) == list(model_for(cfg).state_dict())
     leftovers = [p.name for p in out.iterdir() if p.name.startswith(".")]
     assert leftovers == [], "temporary files of atomic writes left behind"
+
+
+def test_a_count_every_client_reports_alike_stays_an_integer(small_cfg, tmp_path):
+    """``local_steps`` is the same integer in every reply; Flower's weighted sum (value x n_i / N) made
+    0.9999999999999999 of 1 step with unequal example counts. metrics.jsonl keeps the integer; a mean over
+    clients that differ (train_loss) stays a weighted mean, and the report counts "1 step"."""
+    cfg = small_cfg("federation.num_clients=3", "federation.rounds=1", "train.local_steps=1",
+                    'data.partition="dirichlet"', "data.alpha=0.3", "seed=4")
+    out = run_experiment(cfg, out=tmp_path / "run", progress=False)
+    row = read_jsonl(out / "metrics.jsonl")[1]
+    assert row["local_steps"] == 1 and type(row["local_steps"]) is int
+    assert type(row["train_loss"]) is float
+    assert "1 step;" in (out / "report.md").read_text()

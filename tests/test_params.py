@@ -71,7 +71,8 @@ def test_attack_parameters_are_checked_where_they_are_declared():
 @pytest.mark.parametrize("name, base, defaults", [
     ("idlg", DLG, {"labels": "idlg"}),
     ("dlg-original", DLG, {"init": "randn", "iterations": 6000, "restarts": 1, "patience": 6000}),
-    ("ig-fr", RegularisedInvertingGradients, {"bn_target": "update", "features": 0.1, "image_prior": True}),
+    ("ig-fr", RegularisedInvertingGradients, {"features": 0.1, "image_prior": True, "prior_width": 8,
+                                              "prior_depth": 1}),
 ])
 def test_presets_are_their_base_with_other_defaults(name, base, defaults):
     cls = ATTACKS[name]
@@ -96,9 +97,11 @@ def test_ig_fr_keeps_its_switch():
 
 # ----------------------------------------------------------------------------------- attacks' validate_config
 def test_an_attack_refuses_a_config_it_cannot_attack():
+    cfg = make_small_cfg()
     with pytest.raises(ValueError, match="model.imprint_bins"):
-        build_attack("robbing").validate_config({"model": {"imprint_bins": 0}})
-    build_attack("robbing").validate_config({"model": {"imprint_bins": 16}})
+        build_attack("robbing").validate_config(cfg)
+    with pytest.raises(ValueError, match="robbing-imprint"):
+        build_attack("robbing").validate_config({**cfg, "model": {**cfg["model"], "imprint_bins": 16}})
     with pytest.raises(ConfigError) as err:
         make_small_cfg('attack={name="robbing"}')
     assert str(err.value).startswith("attack.name 'robbing': ") and "model.imprint_bins" in str(err.value)

@@ -53,3 +53,58 @@ def test_ray_and_in_process_give_the_same_metrics_for_the_same_seed(small_cfg, t
     for x, y in zip(a, b):
         assert x["accuracy"] == pytest.approx(y["accuracy"], abs=1e-9)
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
+
+
+SWEEP = """
+name = "reuse"
+seed = 3
+device = "cpu"
+[federation]
+rounds = 2
+num_clients = 3
+[data]
+partition = "dirichlet"
+[model]
+activation = "relu"
+[train]
+local_steps = 2
+batch_size = 16
+lr = 0.05
+[simulation]
+backend = "ray"
+num_cpus = 1
+[output]
+observers = []
+[[variants]]
+label = "a"
+[[variants]]
+label = "b"
+train = { lr = 0.1 }
+[[variants]]
+label = "c"
+federation = { clients_per_round = 2 }
+"""
+
+
+def test_a_sweep_starts_ray_once_and_its_runs_share_the_actors(tmp_path):
+    """Every run of a sweep uses one Ray runtime, started at most once (not at all when an earlier test of
+    this process left it running), and the client actors of its first run serve the others (without the
+    shared runtime: one Ray start and one actor pool per run). The shared actors give every variant
+    exactly the numbers of the same variant in process."""
+    from fedsim.app.ray_runtime import RUNTIME
+    from fedsim.app.sweep import run_sweep
+
+    path = tmp_path / "sweep.toml"
+    path.write_text(SWEEP)
+    starts, actors = RUNTIME.ray_starts, RUNTIME.actor_starts
+    ray = run_sweep(path, out=tmp_path / "ray", progress=False)
+    assert RUNTIME.ray_starts - starts <= 1
+    assert RUNTIME.actor_starts - actors <= (os.cpu_count() or 1)  # one pool (1 CPU per actor), not three
+    inproc = run_sweep(path, ['simulation.backend="inprocess"'], out=tmp_path / "inproc", progress=False)
+    for name in ("00-a", "01-b", "02-c"):
+        a, b = read_jsonl(ray / name / "metrics.jsonl"), read_jsonl(inproc / name / "metrics.jsonl")
+        assert [(r["round"], r["replies"], r["failures"]) for r in a] == [(r["round"], r["replies"], 0) for r in b]
+        assert [r["accuracy"] for r in a] == pytest.approx([r["accuracy"] for r in b], abs=1e-9)
+        assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
+    losses = {read_jsonl(ray / n / "metrics.jsonl")[-1]["loss"] for n in ("00-a", "01-b", "02-c")}
+    assert len(losses) == 3  # the variants differ: actors answering with a stale config would show it

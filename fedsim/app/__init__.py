@@ -57,16 +57,20 @@ def load_entry_points(group: str = ENTRY_POINT_GROUP) -> list[str]:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Defaults <- TOML file <- overrides, validated with every plugin registered."""
+    """Defaults <- TOML file <- overrides, validated with every plugin registered (:func:`validate`)."""
     from fedsim import config
 
-    load_plugins()
-    return config.load_config(path, overrides)
+    cfg = config.read_config(path, overrides)
+    validate(cfg)
+    return cfg
 
 
 def validate(cfg: dict[str, Any]) -> None:
+    """:func:`fedsim.config.precheck` first - a bad key or a missing file is reported before torch,
+    Flower or a plugin is imported - then the plugins, then :func:`fedsim.config.validate`."""
     from fedsim import config
 
+    config.precheck(cfg)
     load_plugins()
     config.validate(cfg)
 

@@ -25,9 +25,8 @@ def _shortcuts(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from fedsim.app import load_config
-    from fedsim.app.runner import run_experiment
-    from fedsim.config import ConfigError
+    from fedsim.app import ray_runtime, validate
+    from fedsim.config import ConfigError, read_config
 
     out = args.out
     if args.resume:
@@ -43,9 +42,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         stored = Path(args.resume) / "config.toml"
         if not stored.is_file():
             raise ConfigError(f"--resume {args.resume}: no fedsim run there (no config.toml)")
-        cfg = load_config(stored, sets)
+        cfg = read_config(stored, sets)
     else:
-        cfg = load_config(args.config, sets)
+        cfg = read_config(args.config, sets)  # the first pass: no torch, Flower or Ray imported yet
+    ray_runtime.prestart(cfg)  # Ray and warm client actors start while the rest is checked and loaded
+    validate(cfg)
+    from fedsim.app.runner import run_experiment
+
     run_dir = run_experiment(cfg, out=out, progress=not args.quiet, overwrite=args.overwrite,
                              resume=bool(args.resume), without_client_state=args.resume_without_client_state)
     print(f"[fedsim] results in {run_dir}  (report: {Path(run_dir) / 'report.md'})")
@@ -92,11 +95,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from fedsim.components import ConfigError
     from fedsim.reports import new_run_dir
 
+    out = Path(args.out) if args.out else None
     try:
-        out = Path(args.out) if args.out else new_run_dir("runs", "compare")
+        if out is None:
+            out = new_run_dir("runs", "compare", create=False)
         rows = compare(args.runs, out, title=args.title or ", ".join(Path(r).name for r in args.runs))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    except OSError as exc:  # the output folder cannot be written
+        raise ConfigError(f"--out {str(out)!r}: {exc.strerror or exc}") from None
     cols = table_columns(rows)
     print(comparison_table(rows, cols, table_formats(cols)))
     print(f"[fedsim] comparison in {out}  (comparison.md, comparison.csv, comparison.png)")
@@ -128,6 +135,13 @@ def run_shortcuts(p: argparse.ArgumentParser) -> None:
                    help="torch threads of this process (simulation.threads; 0 = torch's default, all cores)")
 
 
+BACKENDS = ("simulation.backend = \"ray\" (the default) runs the clients in parallel Ray actors; Ray and the "
+            "actors start once per command, in the background while the config is checked. --backend inprocess "
+            "(no Ray: the clients one after another in this process) starts at once and is the better choice "
+            "for short runs (a few rounds), machines with 1-2 cores and debugging; the same seed gives the "
+            "same results on both.")
+
+
 def _config_arguments(p: argparse.ArgumentParser, config_help: str, set_help: str, out_what: str,
                       config_optional: bool = False) -> None:
     """The arguments every command that runs a config file takes: the file, --set, --out,
@@ -156,19 +170,36 @@ def _version() -> str:
         return __version__
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the installed version, looked up only when asked (importlib.metadata costs a tenth
+    of a second on every other command)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs: object) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0,
+                         help="show the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object) -> None:
+        print(f"fedsim {_version()}")  # on stdout, as argparse's own version action
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fedsim", description="Federated-learning privacy lab on Flower: "
                                 "simulations, curious-server gradient-leakage attacks and defenses.")
-    p.add_argument("--version", action="version", version=f"fedsim {_version()}")
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run an experiment config (Flower simulation on Ray)",
                        description="Run a federated simulation from a TOML config and write a run folder "
-                                   "(config.toml, metrics.jsonl/.csv, summary.json, accuracy.png, report.md, ...).")
+                                   "(config.toml, metrics.jsonl/.csv, summary.json, accuracy.png, report.md, ...). "
+                                   + BACKENDS)
     _config_arguments(r, "TOML config, e.g. experiments/default.toml (with --resume: default the run's own)",
                       "override a config value (repeatable), e.g. --set federation.rounds=3", "run folder",
                       config_optional=True)
-    r.add_argument("--backend", choices=("ray", "inprocess"), help="override simulation.backend")
+    r.add_argument("--backend", choices=("ray", "inprocess"),
+                   help="override simulation.backend: ray (the clients in parallel Ray actors; a few seconds of "
+                        "start-up) or inprocess (no Ray: one client after another in this process; starts at "
+                        "once: better for short runs, 1-2 cores and debugging)")
     r.add_argument("--resume-without-client-state", action="store_true",
                    help="with --resume: continue although client-state files are missing or damaged; every client "
                    "starts without its state (residuals, accountants, keys), so the run is no longer exact")
@@ -177,7 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sweep", help="run every variant of an experiment and tabulate them",
                        description="Run a sweep file (a config plus [[variants]], optionally seeds = [...]) and "
                                    "write one report with a row per variant (mean ± std over seeds), "
-                                   "sweep.jsonl/.csv and comparison.png.")
+                                   "sweep.jsonl/.csv and comparison.png. Every variant on Ray runs on one Ray "
+                                   "runtime: Ray and the client actors start once for the whole sweep; "
+                                   "--set simulation.backend='\"inprocess\"' runs the variants without Ray "
+                                   "(better for many short variants on 1-2 cores).")
     _config_arguments(s, "sweep TOML, e.g. experiments/defenses.toml",
                       "override a config value in every variant that runs (repeatable)", "sweep folder")
     s.add_argument("--only", action="append", metavar="LABEL", help="run only this variant (repeatable)")
@@ -188,10 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("experiment", help="reproduce a paper's table: a named experiment (fedsim experiment --list)",
                        description="Run a named experiment (experiments/NAME.toml, or a file): a sweep whose report "
                                    "has tables shaped like the paper's, the systematic evaluation and the paper's "
-                                   "claims checked. Re-run into the same --out to skip completed variants.")
+                                   "claims checked. Re-run into the same --out to skip completed variants. "
+                                   "Every variant on Ray runs on one Ray runtime (Ray and the client actors start "
+                                   "once); --set simulation.backend='\"inprocess\"' skips Ray's start-up (the "
+                                   "clients run one after another): usually better for --quick and other short "
+                                   "variants on 1-2 cores.")
     _config_arguments(e, "experiment name (e.g. seed004-systematic) or file", "override a config value in every "
                       "variant that runs (repeatable)", "experiment folder", config_optional=True)
-    e.add_argument("--quick", action="store_true", help="the experiment's quick variant (minutes on 2 CPU cores)")
+    e.add_argument("--quick", action="store_true", help="the experiment's quick variant: a smoke test of the whole pipeline "
+                   "at a tiny scale (README: how long each takes)")
     e.add_argument("--list", action="store_true", help="list the experiments")
     e.add_argument("--only", action="append", metavar="LABEL", help="run only this variant (repeatable)")
     e.add_argument("--seeds", metavar="S1,S2,...", help="repeat every variant once per seed")
@@ -226,42 +265,63 @@ def main(argv: list[str] | None = None) -> int:
     (its folder says how far it got); 128 + signal number when stopped by SIGINT (130) or SIGTERM (143)."""
     args = build_parser().parse_args(argv)  # --help / --version exit here, before anything heavy loads
     from fedsim import progress
-    from fedsim.checkpoint import CheckpointError
+    from fedsim.app.ray_runtime import shared
     from fedsim.components import ConfigError
     from fedsim.interrupt import RunInterrupted
 
+    progress.log_to_stderr()  # warnings: one "[fedsim] warning: ..." line each, once
     if args.command != "datasets":
         progress.set_level(progress.QUIET if getattr(args, "quiet", False) else
                            progress.VERBOSE if getattr(args, "verbose", False) else progress.NORMAL)
-    try:
-        return args.func(args)
-    except (ConfigError, CheckpointError) as exc:
-        print(f"fedsim: error: {exc}", file=sys.stderr)
-        return 2
-    except RunInterrupted as exc:
-        run_dir = getattr(exc, "run_dir", None)
-        where = f"; summary in {run_dir}/summary.json" if run_dir else ""
-        hint = getattr(exc, "resume_hint", None)
-        print(f"fedsim: {exc}{where}{f'; continue with: {hint}' if hint else ''}", file=sys.stderr)
-        return exc.exit_code
-    except Exception as exc:
-        from fedsim.data import DatasetUnavailable
-
-        if isinstance(exc, DatasetUnavailable):
+    with shared() as runtime:  # one Ray runtime for the whole command, stopped after the last line is printed
+        try:
+            return args.func(args)
+        except ConfigError as exc:
+            runtime.abandon()  # exit now, not once a background Ray start has finished
             print(f"fedsim: error: {exc}", file=sys.stderr)
             return 2
-        run_dir = getattr(exc, "run_dir", None)
-        if isinstance(exc, OSError) and exc.filename is not None:  # a disk that is full, read-only, gone
-            kept = f"; last completed round in {run_dir}/summary.json" if run_dir else "; nothing was kept"
-            print(f"fedsim: the run failed: cannot write {exc.filename}: {exc.strerror or exc}{kept}",
-                  file=sys.stderr)
+        except RunInterrupted as exc:
+            run_dir = getattr(exc, "run_dir", None)
+            where = f"; summary in {run_dir}/summary.json" if run_dir else ""
+            hint = getattr(exc, "resume_hint", None)
+            print(f"fedsim: {exc}{where}{f'; continue with: {hint}' if hint else ''}", file=sys.stderr)
+            return exc.exit_code
+        except Exception as exc:
+            from fedsim.checkpoint import CheckpointError
+            from fedsim.data import DatasetUnavailable
+
+            if isinstance(exc, (CheckpointError, DatasetUnavailable)):
+                runtime.abandon()
+                print(f"fedsim: error: {exc}", file=sys.stderr)
+                return 2
+            line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+            run_dir = getattr(exc, "run_dir", None)
+            if isinstance(exc, OSError) and exc.filename is not None:  # a disk that is full, read-only, gone
+                kept = f"; last completed round in {run_dir}/summary.json" if run_dir else "; nothing was kept"
+                print(f"fedsim: the run failed: cannot write {exc.filename}: {exc.strerror or exc}{kept}",
+                      file=sys.stderr)
+                return 1
+            if run_dir is not None:
+                print(f"fedsim: the run failed: {line} (traceback and last completed round in "
+                      f"{run_dir}/summary.json)", file=sys.stderr)
+                return 1
+            # no traceback by default (one line, as for every other failure); --verbose (or
+            # FEDSIM_TRACEBACK=1 for the commands without it) shows it
+            import os
+
+            show = progress.verbose() or os.environ.get("FEDSIM_TRACEBACK", "") not in ("", "0")
+            if show:
+                import traceback
+
+                traceback.print_exc()
+            how = "--verbose" if hasattr(args, "quiet") else "FEDSIM_TRACEBACK=1"
+            hint = "" if show else f"; {how} shows the traceback"
+            if getattr(exc, "nothing_written", False):
+                print(f"fedsim: the {'attack' if args.command == 'attack' else 'run'} failed before completing a "
+                      f"round: {line} (nothing written{hint})", file=sys.stderr)
+            else:
+                print(f"fedsim: error: {line} (an unexpected error{hint})", file=sys.stderr)
             return 1
-        if run_dir is None:
-            raise  # not a run's failure: a bug, keep the traceback
-        line = f"{type(exc).__name__}: {exc}".splitlines()[0]
-        print(f"fedsim: the run failed: {line} (traceback and last completed round in {run_dir}/summary.json)",
-              file=sys.stderr)
-        return 1
 
 
 if __name__ == "__main__":

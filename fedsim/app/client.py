@@ -53,6 +53,7 @@ from fedsim.protocol import (
     EVAL_DATA,
     EVAL_EXAMPLES,
     EVAL_LOSS,
+    EVAL_SOURCE_ACCURACY,
     EXTRAS,
     FEDSIM_CONFIG,
     FINAL_TRAIN_LOSS,
@@ -77,7 +78,7 @@ from fedsim.protocol import (
     split_partition,
 )
 from fedsim.seams import ClientChannel
-from fedsim.training import Recipe, evaluate, local_train, resolve_device, set_weights
+from fedsim.training import Recipe, evaluate, local_train, resolve_device, set_weights, source_accuracies
 
 load_plugins()
 
@@ -122,6 +123,22 @@ def model_to_train(msg: Message, cfg: dict[str, Any], adapts: bool) -> torch.nn.
 def template_of(model: torch.nn.Module) -> dict[str, np.ndarray]:
     """The model's state entries (names, shapes, dtypes) for a channel to decode into."""
     return {k: v.detach().cpu().numpy() for k, v in model.state_dict().items()}
+
+
+def warm_up(cfg: dict[str, Any]) -> None:
+    """Prepare a fresh client actor before its first message (:func:`fedsim.app.ray_runtime.prestart`):
+    this module's imports (torch, Flower, the plugins) are done by then; load the config's dataset
+    (cached for the run) and run one forward and backward pass of its model on two training samples,
+    since torch's first backward in a process costs about a second. The torch RNG state is restored;
+    a failure is left for the run's own messages to report."""
+    try:
+        with torch.random.fork_rng():
+            ds = dataset_for(cfg)
+            model = model_for(cfg)
+            out = model(ds.x_train[:2])
+            torch.autograd.grad(out.float().sum(), [p for p in model.parameters() if p.requires_grad])
+    except Exception:  # noqa: BLE001 - the run's first message meets the same problem and reports it
+        pass
 
 
 def _partition_id(context: Context) -> int:
@@ -253,8 +270,8 @@ def _train(msg: Message, context: Context) -> Message:
     if res.state:
         context.state[STATE_DEFENSES] = ArrayRecord(OrderedDict((k, Array(np.ascontiguousarray(v)))
                                                                 for k, v in res.state.items()))
-    metrics = {NUM_EXAMPLES: res.num_examples, PARTITION_ID: pid,
-               **{k: float(v) for k, v in res.metrics.items()}}
+    metrics = {NUM_EXAMPLES: res.num_examples, PARTITION_ID: pid,  # counts stay integers (local_steps)
+               **{k: v if type(v) is int else float(v) for k, v in res.metrics.items()}}
     if REPORT_TRAIN_LOSS in conf and conf[REPORT_TRAIN_LOSS]:  # the rule asks (FedBoosting's T)
         set_weights(model, res.weights)
         metrics[FINAL_TRAIN_LOSS] = evaluate(model, x, y, resolve_device(cfg.get("device", "auto")))[0]
@@ -272,15 +289,19 @@ def evaluate_global(msg: Message, context: Context) -> Message:
     cfg = config_of(msg)
     model = model_to_train(msg, cfg, adapts=False)
     set_weights(model, channel_for(cfg).decode(msg.content, context, template_of(model)))
+    device = resolve_device(cfg.get("device", "auto"))
+    per_source: list[float] = []
     if str(msg.content[CONFIG].get(EVAL_DATA, "test")) == "local":
         x, y = client_data(cfg, _partition_id(context))
     else:
         ds = dataset_for(cfg)
         x, y = ds.x_test, ds.y_test
-    loss, acc = evaluate(model, x, y, resolve_device(cfg.get("device", "auto")))
-    return Message(RecordDict({METRICS: MetricRecord({EVAL_LOSS: loss, EVAL_ACCURACY: acc,
-                                                      EVAL_EXAMPLES: len(y),
-                                                      PARTITION_ID: _partition_id(context)})}), reply_to=msg)
+        per_source = source_accuracies(model, ds, device)
+    loss, acc = evaluate(model, x, y, device)
+    metrics = {EVAL_LOSS: loss, EVAL_ACCURACY: acc, EVAL_EXAMPLES: len(y), PARTITION_ID: _partition_id(context)}
+    if per_source:
+        metrics[EVAL_SOURCE_ACCURACY] = per_source
+    return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 
 @client_app.evaluate(CROSS_VALIDATE_ACTION)

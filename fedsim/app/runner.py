@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any, Iterator, Sequence
 
 from fedsim import progress
 from fedsim.app import build_components
+from fedsim.app.ray_runtime import ACTOR_RETRIES, backend_class, backend_config, quiet_logs, starting_line  # noqa: F401
 from fedsim.checkpoint import CHECKPOINT
 from fedsim.config import check_data, dump_toml
 from fedsim.factories import model_for
@@ -55,42 +55,10 @@ def build_observers(cfg: dict[str, Any]) -> list[Observer]:
     return build_components(cfg)["observers"]
 
 
-def quiet_logs() -> None:
-    """Flower's and Ray's own logs off (at ERROR), unless ``--verbose`` (``fedsim.progress.VERBOSE``)."""
-    os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-    # Flower's usage telemetry posts from a thread pool that the interpreter joins at exit: offline, every
-    # run waited seconds for it before exiting. Off unless the user turned it on explicitly.
-    if os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0") == "0":
-        import sys
-
-        telemetry = sys.modules.get("flwr.supercore.telemetry")
-        if telemetry is not None and hasattr(telemetry, "FLWR_TELEMETRY_ENABLED"):
-            telemetry.FLWR_TELEMETRY_ENABLED = "0"  # read when the module was imported
-    level = logging.INFO if progress.verbose() else logging.ERROR
-    logging.getLogger("flwr").setLevel(level)  # Flower logs every round at INFO and deprecations
-    logging.getLogger("ray").setLevel(level)
-
-
 def _backend_config(cfg: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    sim = cfg["simulation"]
-    gpus = float(sim["num_gpus"])
-    if gpus == 0 and cfg["device"] != "cpu" and torch.cuda.is_available():
-        gpus = 0.25  # device=auto with a GPU present: share it between client actors
-    loud = progress.verbose()
-    init: dict[str, Any] = {"logging_level": "INFO" if loud else "ERROR", "log_to_driver": loud,
-                            "include_dashboard": False}
-    if sim.get("ray_address"):
-        init["address"] = sim["ray_address"]
-    # max_restarts: Ray restarts a client actor whose process died (kill -9, the OOM killer, a crash in
-    # native code); without it Flower puts the dead actor back into its pool, where it fails most of the
-    # following messages at once (see _ray_backend_hooks)
-    return {"client_resources": {"num_cpus": int(sim["num_cpus"]), "num_gpus": gpus, "max_restarts": -1,
-                                 "max_task_retries": ACTOR_RETRIES},
-            "init_args": init}
+    return backend_config(cfg, gpu_available=torch.cuda.is_available(), loud=progress.verbose())
 
 
 def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers: Sequence[Observer] | None = None,
@@ -109,11 +77,13 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
     model_for(cfg)  # architecture/data mismatches surface here too
     observers = build_observers(cfg) if observers is None else list(observers)
     made_here = False
+    parent = Path(cfg["output"]["dir"])
+    parent_existed = parent.exists()
     if out is None:
         if resume:
             raise RunFolderError("resuming needs the run folder (--resume DIR)")
         try:
-            run_dir = new_run_dir(cfg["output"]["dir"], cfg["name"])
+            run_dir = new_run_dir(parent, cfg["name"])
         except OSError as exc:
             raise RunFolderError(f"cannot create a run folder in output.dir = {cfg['output']['dir']!r}: "
                                  f"{exc.strerror or exc}") from None
@@ -128,6 +98,8 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
             run_dir.rmdir()
         raise
     folder.created = folder.created or made_here
+    if made_here and not parent_existed:
+        folder.made_parent = parent
     try:
         if folder.action == "complete":
             print(f"[fedsim] {run_dir} holds this run, complete: nothing to do (--overwrite runs it again)",
@@ -159,6 +131,8 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
         done = (read_summary(run_dir) or {}).get("completed_round")
         if folder.created and (done is None or done < 1):
             folder.discard()  # nothing of value: nothing half-way
+            if isinstance(exc, Exception):
+                exc.nothing_written = True  # type: ignore[attr-defined]  # the CLI says so, in one line
         elif isinstance(exc, Exception) and not isinstance(exc, RunFolderError):
             exc.run_dir = run_dir  # type: ignore[attr-defined]  # the CLI names the folder
         raise
@@ -174,10 +148,6 @@ def _run_inprocess(cfg, run_dir, observers, show, stop, ckpt) -> None:
 
     run_server(InProcessGrid(client_app, node_count(cfg)), cfg, run_dir, observers, show, stop=stop,
                resume=ckpt)
-
-
-#: times a message is run again on a restarted actor after its actor died under it
-ACTOR_RETRIES = 2
 
 
 @contextlib.contextmanager
@@ -203,7 +173,7 @@ def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
         return
     original = raybackend.RayBackend
 
-    class TrackedRayBackend(original):  # type: ignore[misc, valid-type]
+    class TrackedRayBackend(backend_class(original)):  # type: ignore[misc]
         def init_ray(self, backend_config: Any) -> None:
             with ray_keeps_signal_handlers():
                 super().init_ray(backend_config)
@@ -214,6 +184,8 @@ def _ray_backend_hooks(stop: StopSignal, backends: list[Any]) -> Iterator[None]:
             super().build(app_fn)
 
         def terminate(self) -> None:
+            if self.keep():  # inside ray_runtime.shared(): the idle actors and Ray serve the next run
+                return
             kill_client_actors([self], quiet=False)  # Flower's terminate() tasks would be retried (and logged)
             if self.pool is not None:
                 self.pool.pool.clear()
@@ -339,10 +311,7 @@ def _run_ray(cfg, run_dir, observers, show, stop, ckpt) -> None:
     torch.set_num_threads(1)  # the actors use the cores; a spinning 2-thread evaluation here stalls them
     launched = time.perf_counter()
     with progress.suppressed(not show):
-        where = f"joining the Ray cluster at {cfg['simulation']['ray_address']}" if cfg["simulation"].get(
-            "ray_address") else "starting Ray"
-        progress.say(f"{where} for {node_count(cfg)} client nodes ({cfg['simulation']['num_cpus']} CPU each); "
-                     "Ray and its actors take a few seconds to start")
+        progress.say(starting_line(cfg, node_count(cfg)))
     try:
         with _ray_backend_hooks(stop, backends):
             run_simulation(server_app=server_app, client_app=client_app,

@@ -12,8 +12,6 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from scipy.optimize import linear_sum_assignment
-from skimage.metrics import structural_similarity
 
 PSNR_CAP = 100.0  # dB: what an exact reconstruction (MSE 0, PSNR inf) counts as in means
 
@@ -69,6 +67,8 @@ def psnr(a: Any, b: Any) -> float | np.ndarray:
 
 
 def _ssim_one(a: np.ndarray, b: np.ndarray) -> float:
+    from skimage.metrics import structural_similarity  # here: it imports scipy.ndimage, a second at start-up
+
     c, h, w = a.shape
     win = min(7, h, w)
     win -= 1 - win % 2  # odd, at most 7 (scikit-image's default window), at most the image side
@@ -124,6 +124,8 @@ def match_batch(recon: Any, truth: Any) -> np.ndarray:
         raise ValueError("reconstructions and true images differ in shape")
     if len(r) < len(t):
         raise ValueError(f"{len(r)} reconstructions cannot cover {len(t)} true images")
+    from scipy.optimize import linear_sum_assignment  # here: the import costs a second at start-up
+
     cost = ((r[:, None, :] - t[None, :, :]) ** 2).mean(axis=2)  # (n_recon, n_true)
     rows, cols = linear_sum_assignment(cost)
     perm = np.empty(len(t), dtype=np.int64)

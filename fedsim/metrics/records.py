@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from scipy.optimize import linear_sum_assignment
 
 from .image import _batched, _np, label_multiset_accuracy
 
@@ -40,6 +39,8 @@ def match_records(recon: Any, truth: Any) -> np.ndarray:
         raise ValueError(f"reconstructions have {r.shape[1]} features, the records {t.shape[1]}")
     if len(r) < len(t):
         raise ValueError(f"{len(r)} reconstructions cannot cover {len(t)} true records")
+    from scipy.optimize import linear_sum_assignment  # here: the import costs a second at start-up
+
     cost = ((r[:, None, :] - t[None, :, :]) ** 2).mean(axis=2)
     rows, cols = linear_sum_assignment(cost)
     perm = np.empty(len(t), dtype=np.int64)
