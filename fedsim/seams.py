@@ -266,10 +266,8 @@ class ServerChannel(Component):
         """What an observer may see of one reply: ``weights`` (lazy) or ``payload`` + ``kind``."""
         raise NotImplementedError
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state` returned (resuming a run after ``setup``; the handshake is not repeated:
-        a channel with a setup exchange must restore its outcome here, or resuming is refused)."""
-        Component.load_state(self, state)
+    # load_state (Component): on resume the handshake is not repeated, so a channel with a setup
+    # exchange must restore its outcome there, or resuming is refused (fedsim.checkpoint.resume_blocker)
 
 
 class ClientChannel:
