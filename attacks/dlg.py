@@ -13,8 +13,7 @@ from typing import Annotated, Sequence
 
 import torch
 
-from fedsim.components import preset
-from fedsim.params import OneOf
+from fedsim.params import OneOf, preset
 
 from ._common import (
     POSITIVE,

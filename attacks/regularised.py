@@ -51,8 +51,7 @@ from typing import Annotated, Any, Mapping
 import torch
 
 from fedsim import progress
-from fedsim.components import preset
-from fedsim.params import OneOf
+from fedsim.params import OneOf, preset
 
 from ._common import (
     ABOVE_ZERO,

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from clients.noise import Fraction, UpdateDefense
+from clients.update_defense import Fraction, UpdateDefense
 from fedsim.defense import Defense, DefenseContext, register
 from fedsim.params import OneOf, Range
 

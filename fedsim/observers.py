@@ -15,7 +15,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from fedsim.components import OBSERVERS, Component
+from fedsim.components import OBSERVERS
+from fedsim.lifecycle import Component
 
 
 def _frozen(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -106,7 +107,7 @@ class Observer(Component):
     Observers are plugins: register a subclass in :data:`fedsim.components.OBSERVERS` (with a ``name``)
     and list it in ``output.observers``. The lifecycle - ``validate_config``, ``setup``, ``state`` /
     ``load_state`` (failing closed: an observer that keeps nothing across rounds declares
-    ``stateless = True``, else the run writes no checkpoint) - is the components' (:class:`fedsim.components.Component`)."""
+    ``stateless = True``, else the run writes no checkpoint) - is the components' (:class:`fedsim.lifecycle.Component`)."""
 
     def on_start(self, out_dir: Path | None) -> None:  # before round 1
         pass

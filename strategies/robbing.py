@@ -29,7 +29,7 @@ from fedsim.models.imprint import (
 )
 from fedsim.params import OneOf, Range
 from fedsim.seams import ServerTransform
-from fedsim.training import derive_seed
+from fedsim.seeding import derive_seed
 
 PREFIX = "imprint."
 

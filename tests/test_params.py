@@ -1,5 +1,5 @@
 """One way to declare a component's parameters and limits (fedsim.params), presets, the attacks'
-validate_config hook, and the components' lifecycle with state() failing closed (fedsim.components.Component)."""
+validate_config hook, and the components' lifecycle with state() failing closed (fedsim.lifecycle.Component)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,9 @@ from attacks.dlg import DLG
 from attacks.regularised import RegularisedInvertingGradients
 from fedsim.app.runner import run_experiment
 from fedsim.checkpoint import CHECKPOINT, resume_blocker
-from fedsim.components import STRATEGIES, Component, ConfigError, check_value
+from fedsim.components import STRATEGIES, ConfigError, check_value
 from fedsim.config import SCHEMA
+from fedsim.lifecycle import Component
 from fedsim.params import OneOf, Range
 from fedsim.seams import AggregationRule, PlainChannel, WeightedSumRule
 from strategies.fedavg import FedAvg
