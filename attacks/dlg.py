@@ -13,7 +13,8 @@ from typing import Annotated, Sequence
 
 import torch
 
-from fedsim.params import OneOf, preset
+from fedsim.lifecycle import preset
+from fedsim.params import OneOf
 
 from ._common import (
     POSITIVE,

@@ -51,7 +51,8 @@ from typing import Annotated, Any, Mapping
 import torch
 
 from fedsim import progress
-from fedsim.params import OneOf, preset
+from fedsim.lifecycle import preset
+from fedsim.params import OneOf
 
 from ._common import (
     ABOVE_ZERO,

@@ -1,9 +1,12 @@
-"""The lifecycle every server-side component shares, written once: aggregation rules, server transforms,
-server halves of channels (:mod:`fedsim.seams`) and observers (:mod:`fedsim.observers`) subclass
-:class:`Component`. Imports nothing heavy (the config's first pass may import it)."""
+"""The component base, written once: the lifecycle every server-side component shares (aggregation
+rules, server transforms, server halves of channels (:mod:`fedsim.seams`) and observers
+(:mod:`fedsim.observers`) subclass :class:`Component`), and presets (:func:`preset`: a registry entry
+that is a component with other defaults). Imports nothing heavy (the config's first pass may import it)."""
 from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping, Sequence
+
+from fedsim.components import declared_params
 
 
 class Component:
@@ -68,3 +71,36 @@ def resume_problem(comp: Any) -> str | None:
     if st and not getattr(comp, "stateless", False) and type(comp).load_state is Component.load_state:
         return "it reports a state() but has no load_state() to take it back"
     return None
+
+
+def preset(base: type, name: str, doc: str, *, class_name: str | None = None,
+           attrs: Mapping[str, Any] | None = None, **defaults: Any) -> type:
+    """A component that is ``base`` with other defaults: a registry entry declared in one line instead of
+    a subclass that repeats the parameters (``ig-fr`` is ``ig-bn`` with ``features = 0.1``, ...).
+
+    The result is a class (so registries, ``isinstance`` and import references treat it as any other)
+    whose declared parameters are ``base``'s - the same types and constraints - with ``defaults`` as
+    their defaults; every parameter can still be set. ``attrs`` are class attributes it sets (e.g. a
+    switch of ``base`` that is no parameter). ``preset_of``/``preset_defaults`` say what it is.
+    """
+    import inspect
+    import sys
+
+    params = declared_params(base)
+    unknown = sorted(set(defaults) - set(params))
+    if unknown:
+        raise TypeError(f"preset {name!r}: {unknown} are not parameters of {base.__qualname__}")
+    kw = inspect.Parameter.KEYWORD_ONLY
+    sig = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+           *(p.replace(kind=kw, default=defaults.get(n, p.default)) for n, p in params.items())]
+
+    def __init__(self, **kwargs: Any) -> None:
+        base.__init__(self, **{**defaults, **kwargs})
+
+    __init__.__signature__ = inspect.Signature(sig)  # type: ignore[attr-defined]
+    __init__.__annotations__ = {n: p.annotation for n, p in params.items() if p.annotation is not inspect.Parameter.empty}
+    cls_name = class_name or "".join(part.capitalize() for part in name.replace("_", "-").split("-"))
+    module = sys._getframe(1).f_globals.get("__name__", base.__module__)
+    return type(cls_name, (base,), {"name": name, "__init__": __init__, "__doc__": doc, "__module__": module,
+                                    "__qualname__": cls_name, "preset_of": base, "preset_defaults": dict(defaults),
+                                    **dict(attrs or {})})
