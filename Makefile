@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.fedsim-installed
 
-.PHONY: setup demo test test-fast test-slow test-all lint bench clean
+.PHONY: setup demo test test-fast test-slow test-all lint bench results clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ bench: $(STAMP)
 	$(PY) benchmarks/attack_speed.py
 	$(PY) benchmarks/compensation_cost.py
 	$(PY) benchmarks/secagg_overhead.py
+
+# Re-publish every experiment at its full scale, seeds 0, 1, 2 (hours on 2 cores: docs/results/README.md);
+# from a clean commit. Interrupted, run it again: each experiment resumes from runs/results/NAME.
+results: $(STAMP)
+	set -e; for e in $$($(VENV)/bin/fedsim experiment --list | cut -d' ' -f1); do \
+		$(VENV)/bin/fedsim experiment $$e --out runs/results/$$e --publish docs/results; done
 
 clean:
 	rm -rf runs .pytest_cache

@@ -72,6 +72,18 @@ class Attack:
     def run(self, inp: AttackInput) -> AttackResult:  # pragma: no cover - interface
         raise NotImplementedError
 
+    # ---- config-time checks (before anything trains: an attack that cannot work is a config error) ----
+    @classmethod
+    def config_problem(cls, cfg: Mapping[str, Any]) -> str | None:
+        """What the rest of the config lacks for this attack (a message naming the key), or None.
+        Checked when the config is validated."""
+        return None
+
+    def model_problem(self, model: nn.Module) -> str | None:
+        """Why this attack, with its parameters, cannot attack updates of ``model`` (the global model the
+        config describes), or None. Checked with the data, before any run folder exists."""
+        return None
+
     def run_many(self, inputs: Sequence[AttackInput], max_group: int | None = None) -> list[AttackResult]:
         """Attack several victims' updates (e.g. every victim of a round); results in input order.
 

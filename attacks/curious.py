@@ -96,10 +96,9 @@ class CuriousServer(Observer):
         if not self.names or not all(isinstance(n, str) for n in self.names):
             raise ValueError(f"attack.name must be an attack name or a list of names, got {name!r}")
         for n in self.names:
-            ATTACKS.lookup(n, "attack.name")
-        if "robbing" in self.names and not cfg["model"].get("imprint_bins"):
-            raise ValueError("attack.name 'robbing' is the malicious-server attack: it needs the imprinted model "
-                             "(model.imprint_bins) and the server transform [[transforms]] name = 'robbing-imprint'")
+            problem = ATTACKS.lookup(n, "attack.name").config_problem(cfg)
+            if problem:
+                raise ValueError(problem)
         params = {} if params is None else params
         if not isinstance(params, Mapping):
             raise ValueError("attack.params must be a table of per-attack tables ([attack.params.dlg])")

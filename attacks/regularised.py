@@ -49,6 +49,7 @@ import time
 from typing import Any, Sequence
 
 import torch
+from torch import nn
 
 from fedsim import progress
 
@@ -124,6 +125,22 @@ class RegularisedInvertingGradients(Attack):
         self.image_prior = bool(check_choice("image_prior", image_prior, (True, False)))
         self.prior_width = check_int("prior_width", prior_width)
         self.prior_depth = check_choice("prior_depth", prior_depth, (1, 2))
+
+    def model_problem(self, model: nn.Module) -> str | None:
+        if not self.bn_prior:
+            return None
+        layers = bn_layers(model)
+        if not layers:
+            return None if not self.require_bn else (
+                f"the BatchNorm-statistics prior (bn_prior = {self.bn_prior}) needs a model with BatchNorm "
+                f"layers; this model ({type(model).__name__}) has none (use model.norm = \"batch\", or "
+                f"attack.params.{self.name}.bn_prior = 0, or the attack 'ig')")
+        if self.bn_target == "update":
+            cumulative = [n for n, m in layers if m.momentum is None]
+            if cumulative:
+                return (f"bn_target = 'update' reads the batch statistics back from the running averages, which "
+                        f"needs a fixed BatchNorm momentum; {cumulative[0]!r} uses a cumulative average")
+        return None
 
     # ------------------------------------------------------------------ set-up
     def _bn_setup(self, inp: AttackInput, target: Target, batch: int):

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
-from fedsim.models.imprint import ImprintBlock
+from fedsim.models.imprint import IMPRINT_TRANSFORM, ImprintBlock
 from fedsim.protocol import BATCH_SIZE
 
 from ._common import check_choice, check_float, choose_labels, finish, prepare_target
@@ -67,6 +67,17 @@ class RobbingTheFed(Attack):
         self.tolerance = check_float("tolerance", tolerance, strict=True)
         if self.tolerance >= 1:
             raise ValueError(f"attack.tolerance must be a number in (0, 1), got {tolerance!r}")
+
+    @classmethod
+    def config_problem(cls, cfg: Mapping[str, Any]) -> str | None:
+        if not cfg["model"].get("imprint_bins"):
+            return ("attack.name 'robbing' is the malicious-server attack: it needs the imprinted model "
+                    "(model.imprint_bins) and the server transform [[transforms]] name = 'robbing-imprint'")
+        if not any(isinstance(t, Mapping) and t.get("name") == IMPRINT_TRANSFORM for t in cfg.get("transforms") or []):
+            return (f"attack.name 'robbing' needs the server transform [[transforms]] name = '{IMPRINT_TRANSFORM}' "
+                    "that imprints the model it sends: with model.imprint_bins alone the imprint block keeps its "
+                    "random weights and what the attack reads back is not the victims' inputs")
+        return None
 
     def run(self, inp: AttackInput) -> AttackResult:
         t0 = time.perf_counter()

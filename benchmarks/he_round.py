@@ -43,9 +43,15 @@ CHANNELS = ("plain", "paillier", "ckks", "secagg+")
 
 
 def make_cfg(channel: str, args: argparse.Namespace) -> dict:
+    """The workload's config for ``channel``: one of :data:`CHANNELS`, or a ``--variant``'s label."""
     from fedsim.app import load_config
 
-    sets = ['name="he-round"', "federation.rounds=1", f"federation.num_clients={args.clients}",
+    variants = {v[0]: v[1:] for v in args.variant or []}
+    extra: list[str] = []
+    if channel in variants:
+        channel, *extra = variants[channel]
+
+    sets = ['name="he-round"', f"federation.rounds={args.rounds}", f"federation.num_clients={args.clients}",
             'data.dataset="fmnist-small"', 'data.partition="iid"', 'model.name="lenet"', 'model.activation="relu"',
             "train.lr=0.05", "train.batch_size=16", f"train.local_epochs={args.epochs}", "output.observers=[]",
             f"seed={args.seed}"]
@@ -55,15 +61,20 @@ def make_cfg(channel: str, args: argparse.Namespace) -> dict:
         sets += ['channel.name="ckks"']
     elif channel == "secagg+":
         sets += ['channel.name="secagg+"', "channel.num_shares=3", "channel.reconstruction_threshold=2"]
-    return load_config(None, sets)
+    return load_config(None, sets + extra)
 
 
-def _servers(grid, args: argparse.Namespace, channels) -> tuple[dict, dict]:
+def base_channel(name: str, args: argparse.Namespace) -> str:
+    return {v[0]: v[1] for v in args.variant or []}.get(name, name)
+
+
+def _servers(grid_for, args: argparse.Namespace, channels) -> tuple[dict, dict, dict]:
     from fedsim.app.server import Server
     from fedsim.rounds import RoundContext, RoundRecord
 
-    servers, states = {}, {}
+    servers, states, grids = {}, {}, {}
     for name in channels:
+        grids[name] = grid = grid_for(name)
         s = Server(make_cfg(name, args), None, [], progress=False)
         s.engine.discover(grid)
         states[name] = s.engine.channel.initial(s.initial)
@@ -71,31 +82,60 @@ def _servers(grid, args: argparse.Namespace, channels) -> tuple[dict, dict]:
         s.engine.channel.handshake(RoundContext(s.engine, grid, 0, s.engine.channel, None, None, RoundRecord(0)))
         print(f"[bench] {name}: setup exchange {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
         servers[name] = s
-    return servers, states
+    return servers, states, grids
 
 
-def measure(grid, args: argparse.Namespace, channels=CHANNELS) -> dict:
-    servers, states = _servers(grid, args, channels)
+PHASES = ("train", "train encrypt", "advance", "evaluate")  # the exchanges timed apart (RoundEngine.send's stage)
+
+
+def _timed_exchanges(engine, phases: dict[str, float]) -> None:
+    """Add each exchange's wall time (send to last reply, by stage) to ``phases``."""
+    send = engine.send
+
+    def timed(grid, partitions, message_type, shared, per_partition, stage, *rest, **kw):
+        t0 = time.perf_counter()
+        try:
+            return send(grid, partitions, message_type, shared, per_partition, stage, *rest, **kw)
+        finally:
+            phases[stage] = phases.get(stage, 0.0) + time.perf_counter() - t0
+
+    engine.send = timed
+
+
+def measure(grid_for, args: argparse.Namespace, channels=CHANNELS) -> dict:
+    """``grid_for(name)``: the grid of a channel's server (in-process: a federation each, the same work; on
+    Ray: the one federation)."""
+    servers, states, grids = _servers(grid_for, args, channels)
     times: dict[str, list[float]] = {n: [] for n in servers}
     cpu: dict[str, list[float]] = {n: [] for n in servers}
     extra: dict[str, dict[str, list[float]]] = {n: {} for n in servers}
+    phases: dict[str, dict[str, float]] = {n: {} for n in servers}
+    for name, s in servers.items():
+        _timed_exchanges(s.engine, phases[name])
     for rnd in range(1, args.rounds + 1):
         k = rnd % len(servers)
         order = list(servers)[k:] + list(servers)[:k]
         for name in order:
             s = servers[name]
+            phases[name].clear()
             t0, c0 = time.perf_counter(), time.process_time()
-            states[name], record = s.engine.run_round(grid, rnd, states[name])
-            ev = s.evaluate(grid, states[name], record)
+            states[name], record = s.engine.run_round(grids[name], rnd, states[name])
+            ev = s.evaluate(grids[name], states[name], record)
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
+            exchanged = sum(phases[name].values())
+            for ph in PHASES:
+                extra[name].setdefault(f"{ph} s", []).append(phases[name].get(ph, 0.0))
+            extra[name].setdefault("server s", []).append(times[name][-1] - exchanged)
             if record.replies != args.clients or record.failures or ev["accuracy"] is None:
                 raise RuntimeError(f"{name}, round {rnd}: {record.replies} replies, failures {record.failures[:1]}")
-            for key in ("encrypt_seconds_mean", "combine_seconds", "payload_bytes", "clip"):
+            for key in ("encrypt_seconds_mean", "decrypt_seconds_max", "combine_seconds", "payload_bytes", "clip",
+                        "quantization_bound", "error_bound"):
                 if key in record.channel_metrics:
                     extra[name].setdefault(key, []).append(float(record.channel_metrics[key]))
-            print(f"[bench] round {rnd} {name}: {times[name][-1]:.2f} s (process CPU {cpu[name][-1]:.2f} s), "
-                  f"accuracy {ev['accuracy']:.4f}",
+            split = ", ".join(f"{ph} {phases[name][ph]:.2f}" for ph in phases[name])
+            print(f"[bench] round {rnd} {name}: {times[name][-1]:.2f} s (process CPU {cpu[name][-1]:.2f} s; "
+                  f"{split}; server {extra[name]['server s'][-1]:.2f}), accuracy {ev['accuracy']:.4f}",
                   file=sys.stderr, flush=True)
     plain = times["plain"][1:]
     rows = {}
@@ -118,7 +158,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict:
     if backend == "inprocess":
         from fedsim.inprocess import InProcessGrid
 
-        return measure(InProcessGrid(client_app, args.clients), args)
+        return measure(lambda name: InProcessGrid(client_app, args.clients), args, args.channels)
     from flwr.serverapp import ServerApp
     from flwr.simulation import run_simulation
 
@@ -129,7 +169,7 @@ def run_backend(backend: str, args: argparse.Namespace) -> dict:
         grid.pull_interval = 0.01  # as `fedsim run` does
         logging.getLogger("flwr").setLevel(logging.ERROR)
         try:
-            out["rows"] = measure(grid, args)
+            out["rows"] = measure(lambda name: grid, args, args.channels)
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
@@ -156,7 +196,7 @@ def memory_child(channel: str, args: argparse.Namespace) -> None:
 
     grid = InProcessGrid(client_app, args.clients)
     before = _rss_mb()
-    servers, states = _servers(grid, args, [channel])
+    servers, states, _ = _servers(lambda name: grid, args, [channel])
     s = servers[channel]
     for rnd in (1, 2):
         states[channel], record = s.engine.run_round(grid, rnd, states[channel])
@@ -174,11 +214,26 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", choices=("inprocess", "ray"), default=["inprocess", "ray"])
     ap.add_argument("--actors", type=int, default=2, help="Ray: client actors (CPUs / actors each)")
     ap.add_argument("--memory", action="store_true", help="also measure peak memory per channel (in-process)")
+    ap.add_argument("--channels", nargs="+", choices=CHANNELS, default=list(CHANNELS),
+                    help="channels to compare (plain is always measured: the ratios' reference)")
+    ap.add_argument("--variant", nargs="+", action="append", metavar=("LABEL CHANNEL", "SET"),
+                    help="one more server, interleaved with the others: LABEL, a channel of --channels' choices and "
+                         "config settings, e.g. --variant paillier-12bit paillier channel.bits=12")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--memory-child", choices=CHANNELS, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rounds < 2:
         ap.error("--rounds must be >= 2 (round 1 is warm-up)")
+    args.channels = ["plain", *[c for c in CHANNELS if c in args.channels and c != "plain"]]
+    for v in args.variant or []:
+        if len(v) < 2 or v[1] not in CHANNELS or v[0] in CHANNELS:
+            ap.error(f"--variant {' '.join(v)}: give a new label, then one of {', '.join(CHANNELS)}, then settings")
+        args.channels.append(v[0])
+    bases = [base_channel(c, args) for c in args.channels]
+    twice = sorted({b for b in bases if bases.count(b) > 1 and b in ("paillier", "ckks")})
+    if "ray" in args.backends and twice:  # their clients keep one key (Context.state) per node
+        ap.error(f"on Ray the servers share one federation, whose clients hold one {' / '.join(twice)} key each: "
+                 "compare variants of an encrypted channel in separate runs (--backends ray), or in-process")
     os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import warnings
@@ -197,7 +252,7 @@ def main() -> None:
     results = {b: run_backend(b, args) for b in args.backends}
     mem = {}
     if args.memory:
-        for ch in CHANNELS:
+        for ch in [c for c in args.channels if c in CHANNELS]:  # variants: not measured apart
             out = subprocess.run([sys.executable, __file__, "--memory-child", ch, "--clients", str(args.clients),
                                   "--key-bits", str(args.key_bits), "--epochs", str(args.epochs)],
                                  capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -219,6 +274,13 @@ def main() -> None:
             print(f"| {name} | {r['median_s']:.2f} | {r['ratio_of_medians']:.2f}x | {r['median_ratio']:.2f}x "
                   f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['cpu_s']:.2f} ({r['cpu_ratio']:.2f}x) | {enc} | "
                   f"{comb} | {size} |")
+        print("\nwhere the round goes (medians, s): each exchange from send to its last reply, and the server's "
+              "own work\n")
+        print("| channel | " + " | ".join(PHASES) + " | server |")
+        print("|---|" + "---|" * (len(PHASES) + 1))
+        for name, r in rows.items():
+            print(f"| {name} | " + " | ".join(f"{r.get(f'{ph} s', 0.0):.2f}" for ph in PHASES)
+                  + f" | {r['server s']:.2f} |")
         print()
     if mem:
         print("resident memory, one process per channel (in-process, setup + 2 rounds):\n")

@@ -8,9 +8,10 @@ model (``--what model``: a common N(0, 0.1) global model plus a per-client N(0, 
 ``--clip`` 4.0, the channel's ``encrypt = "model"``), for ``--clients`` clients, quantized to
 ``--bits`` bits, eq. 4.4 integer weights ``round(p_i * P)`` with ``P = --precision``; ``--key-bits``
 Paillier keys. The defaults of ``--key-bits``, ``--bits`` and ``--precision`` are read from the
-channel's own defaults (``strategies.paillier.PaillierChannel``: 2048, 16, 4096), and the packing
-layout's ``max_total_weight`` is the channel's ``precision + clients``, so the run measures the layout a
-user of ``[channel] name = "paillier"`` gets (69 values per plaintext at 10 clients). Measured side by side in one run:
+channel's own defaults (``strategies.paillier``: 2048 bits; 12-bit updates, 16-bit models; P = 4096), and
+the packing layout's ``max_total_weight`` is the channel's ``precision + clients``, so the run measures
+the layout a user of ``[channel] name = "paillier"`` gets (80 values per plaintext for updates at 10
+clients, 69 for models). Measured side by side in one run:
 
 * packed: every client encodes its whole update (quantize, pack, full ``phe`` encryption with a fresh
   ``r``), the server verifies and combines, one client decodes; checked against the plaintext
@@ -23,7 +24,7 @@ user of ``[channel] name = "paillier"`` gets (69 values per plaintext at 10 clie
   online encode with a filled pool; and how much a background fill slows a pure-Python loop on the
   main thread (GIL released vs held). The packed row's "encrypt" uses full ``phe`` encryption.
 
-    .venv/bin/python benchmarks/paillier.py [--key-bits 2048] [--clients 10] [--bits 16]
+    .venv/bin/python benchmarks/paillier.py [--key-bits 2048] [--clients 10] [--bits 12]
         [--clip C] [--precision 4096] [--what update|model] [--sample 200] [--seed 0]
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ import numpy as np
 
 from fedsim.crypto import paillier as pl
 from fedsim.crypto.quantize import Quantizer, aggregate_error_bound, integer_weights, range_exponent
-from strategies.paillier import PaillierChannel
+from strategies.paillier import BITS, PaillierChannel
 
 CHANNEL_DEFAULTS = {k: v.default for k, v in inspect.signature(PaillierChannel.__init__).parameters.items()
                     if v.default is not inspect.Parameter.empty}
@@ -93,7 +94,8 @@ def main() -> None:
     d = CHANNEL_DEFAULTS
     ap.add_argument("--key-bits", type=int, default=d["key_bits"])
     ap.add_argument("--clients", type=int, default=10)
-    ap.add_argument("--bits", type=int, default=d["bits"])
+    ap.add_argument("--bits", type=int, default=None,
+                    help="default: the channel's (12 bits for updates, 16 for whole models: strategies.paillier.BITS)")
     ap.add_argument("--clip", type=float, default=d["clip"],
                     help="default: the channel's automatic clip for updates (the power of two above the largest "
                          "update entry), 4.0 for models")
@@ -105,6 +107,8 @@ def main() -> None:
     args = ap.parse_args()
     at_defaults = all(getattr(args, k) == d[k] for k in ("key_bits", "bits", "clip", "precision")) and \
         args.what == d["encrypt"]
+    if args.bits is None:
+        args.bits = BITS[args.what]
 
     rng = np.random.default_rng(args.seed)
     base = [rng.normal(0.0, 0.1, s) if args.what == "model" else np.zeros(s) for s in LENET5]

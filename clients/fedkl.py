@@ -83,8 +83,7 @@ class FedKL(Defense):
                  evaluate: str = "both", lock_activation: str = "none", average_norm_stats: bool = False,
                  leak_lock: bool = False, cfg: Mapping[str, Any] | None = None):
         self.blocks = keylock.check_blocks(blocks)
-        if isinstance(key_length, bool) or not isinstance(key_length, int) or key_length < 1:
-            raise ValueError(f"key_length must be an integer >= 1, got {key_length!r}")
+        key_length = keylock.check_key_length(key_length)
         if key_source not in KEY_SOURCES:
             raise ValueError(f"key_source must be one of {list(KEY_SOURCES)}, got {key_source!r}")
         if evaluate not in EVALUATE:

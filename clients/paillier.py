@@ -54,7 +54,9 @@ from fedsim.protocol import (
     CLIP,
     CLIPPED,
     CODEC,
+    DECRYPT_SECONDS,
     ENCRYPT_SECONDS,
+    HELD_ROUND,
     INLINE_OBFUSCATORS,
     PAYLOAD,
     PAYLOADS,
@@ -199,6 +201,7 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
             codec = self._codec(s, public, private, parse_header(payload).clip)
             return DECRYPTED.get(codec, payload, num, self._codec_text)
 
+        start = base
         if base < 0:  # the whole model was encrypted
             model = self._split(mean(payloads[0]), template, floating, None)
         else:
@@ -206,7 +209,7 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
             for r, p in zip(rounds, payloads):
                 if r > start:  # the updates this client has not added yet, in order
                     model = self._split(mean(p), template, floating, model)
-        self._decoded = (max(rounds), model)
+        self._decoded = (max(rounds, default=start), model)
         return [model[k] for k in template]
 
     def _start(self, content: RecordDict, context: Context, template: Mapping[str, np.ndarray], base: int,
@@ -246,12 +249,9 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
         floating = [i for i, a in enumerate(arrays) if np.issubdtype(a.dtype, np.floating)]
         if s.get("encrypt", "model") == "model":
             return self._encrypt(context, s, [arrays[i] for i in floating], float(s["clip"]))
+        self._keep(context)  # the global model this client trained on (Alg. 3 line 10)
         held, model = self._decoded
         names = list(model)
-        rec = ArrayRecord(collections.OrderedDict(
-            [(k, Array(np.ascontiguousarray(model[k]))) for k in names] +
-            [(_ROUND, Array(np.array([held], dtype=np.int64)))]))
-        context.state[STATE_CHANNEL_MODEL] = rec  # the global model this client trained on (Alg. 3 line 10)
         update = np.concatenate([arrays[i].astype(np.float64).ravel() - model[names[i]].astype(np.float64).ravel()
                                  for i in floating]) if floating else np.zeros(0)
         if s["clip"] is not None:
@@ -259,8 +259,18 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
         context.state[STATE_CHANNEL_PENDING] = ArrayRecord({_UPDATE: Array(update)})
         return {CHANNEL: ConfigRecord({RANGE_EXPONENT: range_exponent(update)})}
 
+    def _keep(self, context: Context) -> None:
+        """Keep the global model :meth:`decode` rebuilt (and its round) in the client's state."""
+        held, model = self._decoded
+        context.state[STATE_CHANNEL_MODEL] = ArrayRecord(collections.OrderedDict(
+            [(k, Array(np.ascontiguousarray(v))) for k, v in model.items()] +
+            [(_ROUND, Array(np.array([held], dtype=np.int64)))]))
+
     def other_stage(self, stage: str, msg: Message, context: Context) -> RecordDict:
-        """``encrypt``: the round's common clip is known; encrypt the update kept since training."""
+        """``advance``: the round's aggregate update, sent ahead; decode it and keep the new global model.
+        ``encrypt``: the round's common clip is known; encrypt the update kept since training."""
+        if stage == "advance":
+            return self._advance(msg, context)
         if stage != "encrypt":
             return super().other_stage(stage, msg, context)
         if STATE_CHANNEL_PENDING not in context.state:
@@ -269,6 +279,19 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
         del context.state[STATE_CHANNEL_PENDING]
         ch = msg.content[CHANNEL]
         return RecordDict(self._encrypt(context, _settings(str(ch[CODEC])), [update], float(ch[CLIP])))
+
+    def _advance(self, msg: Message, context: Context) -> RecordDict:
+        if STATE_CHANNEL_MODEL in context.state:  # names, shapes and dtypes: the model this client holds ...
+            template = {k: np.asarray(v.numpy()) for k, v in context.state[STATE_CHANNEL_MODEL].items() if k != _ROUND}
+        elif ARRAYS in msg.content:  # ... or the initial model the message carries
+            template = dict(zip(msg.content[ARRAYS].keys(), decode_arrays(msg.content[ARRAYS])))
+        else:
+            raise RuntimeError("Paillier channel: the message continues a global model this client does not hold")
+        t0 = time.perf_counter()
+        self.decode(msg.content, context, template)
+        seconds = time.perf_counter() - t0
+        self._keep(context)
+        return RecordDict({CHANNEL: ConfigRecord({HELD_ROUND: int(self._decoded[0]), DECRYPT_SECONDS: seconds})})
 
     def _encrypt(self, context: Context, s: Mapping[str, Any], arrays: Sequence[np.ndarray],
                  clip: float) -> dict[str, Any]:

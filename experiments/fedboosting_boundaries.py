@@ -22,6 +22,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from fedsim.components import FIGURES
+
 SWEEP = Path(__file__).with_name("fedboosting_synthetic.toml")
 PANELS = ("FedAvg", "FedBoosting", "centralised")
 FIGURE = "decision_boundaries.png"
@@ -54,11 +56,13 @@ def plot(out_dir: Path, configs: dict[str, dict[str, Any]]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from fedsim.config import read_toml
     from fedsim.factories import client_data, dataset_for
     from fedsim.reports import read_jsonl, save_figure
 
     rows = {r["variant"]: r for r in read_jsonl(out_dir / "sweep.jsonl")}
-    missing = [p for p in PANELS if p not in rows]
+    runs = {label: first_run(r) for label, r in rows.items()}
+    missing = [p for p in PANELS if p not in rows or runs[p] is None]
     if missing:
         raise SystemExit(f"{out_dir}: the sweep has no variant(s) {missing}")
     cfg = configs["FedAvg"]
@@ -66,12 +70,16 @@ def plot(out_dir: Path, configs: dict[str, dict[str, Any]]) -> Path:
     x_all = torch.cat([ds.x_train, ds.x_test]).numpy()
     lo, hi = x_all.min(0) - 0.5, x_all.max(0) + 0.5
     fig, axes = plt.subplots(2, 3, figsize=(13, 8.4))
+    seed = None
     for ax, label in zip(axes[0], PANELS):
-        model = _model(configs[label], out_dir / rows[label]["run"])
+        run = out_dir / runs[label]
+        model = _model(configs[label], run)
         xx, yy, prob = grid_probabilities(model, (lo[0], hi[0]), (lo[1], hi[1]))
         ax.contourf(xx, yy, prob, levels=np.linspace(0, 1, 11), cmap="RdBu_r", alpha=0.8)
         ax.contour(xx, yy, prob, levels=[0.5], colors="k", linewidths=1.5)
-        ax.set_title(f"{label}: test accuracy {rows[label]['accuracy']:.4f}")
+        summary = json.loads((run / "summary.json").read_text())
+        seed = read_toml(run / "config.toml", "run config").get("seed", 0)
+        ax.set_title(f"{label}: test accuracy {summary['final_accuracy']:.4f}")
     rng = np.random.default_rng(0)
 
     def scatter(ax, x: torch.Tensor, y: torch.Tensor, title: str, n: int = 3000) -> None:
@@ -90,7 +98,7 @@ def plot(out_dir: Path, configs: dict[str, dict[str, Any]]) -> Path:
         ax.set_ylim(lo[1], hi[1])
         ax.set_aspect("equal")
     fed = cfg["federation"]
-    fig.suptitle(f"synthetic-2d, {fed['num_clients']} clients, {fed['rounds']} rounds "
+    fig.suptitle(f"synthetic-2d, {fed['num_clients']} clients, {fed['rounds']} rounds, the runs of seed {seed} "
                  f"(seed 003 Fig. 4.2); colour: P(class 1), black: the 0.5 boundary")
     fig.tight_layout()
     path = out_dir / FIGURE
@@ -99,6 +107,13 @@ def plot(out_dir: Path, configs: dict[str, dict[str, Any]]) -> Path:
     return path
 
 
+def first_run(row: dict[str, Any]) -> str | None:
+    """The run folder of a sweep row's first seed (a row over seeds names its runs in ``runs``)."""
+    runs = row.get("runs") or [row.get("run")]
+    return runs[0] if runs and runs[0] else None
+
+
+@FIGURES.register(name="fedboosting-boundaries")  # referenced as "experiments.fedboosting_boundaries:draw", also when installed
 def draw(out_dir: Path, configs: dict[str, dict[str, Any]]) -> Path | None:
     """The experiment's ``[[report.figures]]`` hook: the figure once every panel's run has its model, else
     None (a sweep still running, or ``--only`` without one of the panels)."""
@@ -107,7 +122,7 @@ def draw(out_dir: Path, configs: dict[str, dict[str, Any]]) -> Path | None:
     if not (out_dir / "sweep.jsonl").exists() or any(p not in configs for p in PANELS):
         return None
     rows = {r["variant"]: r for r in read_jsonl(out_dir / "sweep.jsonl")}
-    if any(p not in rows or not rows[p].get("run") or not (out_dir / rows[p]["run"] / "model.pt").exists()
+    if any(p not in rows or not first_run(rows[p]) or not (out_dir / first_run(rows[p]) / "model.pt").exists()
            for p in PANELS):
         return None
     return plot(out_dir, configs)
@@ -119,6 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", help="sweep folder (default: a new folder under output.dir)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key in every variant (repeatable)")
+    parser.add_argument("--seeds", default="0", metavar="S1,S2,...",
+                        help="seeds to run (default 0: the figure shows one seed's models; "
+                        "fedsim experiment fedboosting_synthetic runs three and decides the claim)")
     parser.add_argument("--plot-only", metavar="DIR", help="redraw the figure from a finished sweep folder")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -131,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = plot(out_dir, dict(load_sweep(SWEEP, overrides)[1]))
     else:
         started = time.time()
-        out_dir = run_sweep(SWEEP, args.overrides, out=args.out, progress=not args.quiet)
+        seeds = [int(s) for s in args.seeds.split(",")]
+        out_dir = run_sweep(SWEEP, args.overrides, out=args.out, progress=not args.quiet, seeds=seeds)
         (out_dir / "overrides.json").write_text(json.dumps(args.overrides))
         path = out_dir / FIGURE  # drawn by the sweep's report ([[report.figures]] -> draw)
         if not path.exists() or path.stat().st_mtime < started:

@@ -11,12 +11,22 @@ Client state (defense residuals, accountants, channel keys) lives in Flower's pe
 the server's message names a mirror folder (``fedsim.protocol.STATE_MIRROR``, set only for runs that
 checkpoint), a client whose state is not empty writes it, after a successful ``train`` (or channel
 setup) in round ``r``, to ``<run>/client-state/p<partition>-r<r>.bin`` (Flower's own RecordDict
-serialisation). The checkpoint of round ``r`` stands for, per partition, the newest file of a round
-``<= r``; the server deletes the older ones after each checkpoint and, before resuming, the files of
-rounds after the checkpoint. In a resumed run the server's messages carry ``RESUMED_AT``: a client
-whose context has not been restored yet loads its newest file first. The mirror needs the run folder
-to be reachable from the client processes (always true for the local Ray cluster and the in-process
-backend; with ``simulation.ray_address`` the folder must be on a file system the cluster shares).
+serialisation), and then the SHA-256 of the bytes it wrote beside it (``p<partition>-r<r>.bin.sha256``,
+64 hex digits): a state is complete once its digest is there. The checkpoint of round ``r`` stands
+for, per partition, the newest complete state of a round ``<= r``; the server deletes the older ones
+after each checkpoint and, before resuming, the files of rounds after the checkpoint. In a resumed run
+the server's messages carry ``RESUMED_AT``: a client whose context has not been restored yet loads its
+newest state first (and refuses it if its bytes do not match their digest). The mirror needs the run
+folder to be reachable from the client processes (always true for the local Ray cluster and the
+in-process backend; with ``simulation.ray_address`` the folder must be on a file system the cluster
+shares).
+
+**The server process never reads a client-state file.** The files hold the clients' secrets (the
+Paillier private key, the CKKS secret key, X25519 keys), which must never exist in the server process.
+The checkpoint records the digests the clients wrote (:func:`client_state_digests` reads only the
+``.sha256`` files), and the resume check (:func:`verify_resume`) hashes the files in a separate,
+short-lived Python process that imports nothing but ``hashlib`` and returns hex digests
+(:func:`digests_in_subprocess`). Only the clients read their files, to restore them.
 """
 from __future__ import annotations
 
@@ -26,6 +36,8 @@ import json
 import os
 import random
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -35,7 +47,8 @@ import numpy as np
 CHECKPOINT = "checkpoint.npz"
 CLIENT_STATE = "client-state"
 METRICS = "metrics.jsonl"
-FORMAT = 2  # 2: the checkpoint records its metrics.jsonl prefix and a digest of every client-state file
+FORMAT = 3  # 2: the checkpoint records its metrics.jsonl prefix and a digest of every client-state file;
+# 3: the digests are the ones the clients wrote beside their files (``.bin.sha256``)
 
 # config keys that do not change a run's results: a run may be resumed with other values
 VOLATILE_KEYS = ("simulation.backend", "simulation.num_cpus", "simulation.num_gpus", "simulation.ray_address",
@@ -213,14 +226,6 @@ def read_checkpoint(path: str | Path) -> Checkpoint:
 
 
 # ============================================================================ what a checkpoint stands for
-def file_digest(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def metrics_prefix(run_dir: str | Path) -> tuple[int, str]:
     """(bytes, SHA-256) of ``metrics.jsonl`` as it is now (the rows a checkpoint written now stands for)."""
     path = Path(run_dir) / METRICS
@@ -228,28 +233,60 @@ def metrics_prefix(run_dir: str | Path) -> tuple[int, str]:
     return len(data), hashlib.sha256(data).hexdigest()
 
 
-class DigestCache:
-    """SHA-256 of client-state files, each computed once (a file is written once, under a new name per
-    round): what the server records in every checkpoint costs one pass over the files each round wrote."""
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+INVALID_DIGEST = "invalid"  # recorded for a digest file that does not hold 64 hex digits (never matches)
 
-    def __init__(self) -> None:
-        self._known: dict[tuple[str, int, int], str] = {}
 
-    def digests(self, folder: str | Path, upto: int) -> dict[str, str]:
-        """name -> SHA-256 of each partition's newest mirrored state of a round ``<= upto``."""
-        best = newest_client_states(folder, upto)
-        out = {}
-        for p, r in sorted(best.items()):
-            path = mirror_file(folder, p, r)
-            try:
-                st = path.stat()
-                key = (path.name, st.st_size, st.st_mtime_ns)
-                if key not in self._known:
-                    self._known[key] = file_digest(path)
-            except FileNotFoundError:  # gone since it was listed: not part of this checkpoint
-                continue
-            out[path.name] = self._known[key]
-        return out
+def client_state_digests(folder: str | Path, upto: int) -> dict[str, str]:
+    """name -> SHA-256 of each partition's newest complete mirrored state of a round ``<= upto``, as its
+    client wrote it beside the file (``<name>.sha256``). Reads the digest files only, never a state file:
+    what the server records in every checkpoint costs a 65-byte read per partition."""
+    out = {}
+    for p, r in sorted(newest_client_states(folder, upto).items()):
+        path = mirror_file(folder, p, r)
+        try:
+            text = digest_file(path).read_text(encoding="ascii", errors="replace").strip()
+        except FileNotFoundError:  # gone since it was listed: not part of this checkpoint
+            continue
+        out[path.name] = text if _HEX64.match(text) else INVALID_DIGEST  # refused at resume: "damaged"
+    return out
+
+
+# the verifier: run by ``python -I -S`` (isolated: no site, no PYTHONPATH, no current folder), it imports
+# hashlib and sys only; paths arrive on stdin (NUL-separated), one line per path goes back: a hex digest,
+# or "-" when the file cannot be read
+_HASHER = """import hashlib, sys
+for p in sys.stdin.buffer.read().split(b"\\0"):
+    if not p:
+        continue
+    h = hashlib.sha256()
+    try:
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        print(h.hexdigest())
+    except OSError:
+        print("-")
+"""
+
+
+def digests_in_subprocess(paths: Sequence[str | Path], timeout: float = 600.0) -> list[str | None]:
+    """SHA-256 (hex) of each file, computed in a separate short-lived Python process (the files' bytes never
+    enter this one); None for a file that cannot be read. Raises :class:`CheckpointError` if the process
+    fails."""
+    if not paths:
+        return []
+    data = b"\0".join(os.fsencode(str(p)) for p in paths)
+    try:
+        res = subprocess.run([sys.executable, "-I", "-S", "-c", _HASHER], input=data, capture_output=True,
+                             timeout=timeout, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CheckpointError(f"cannot check the client-state files ({type(exc).__name__}: {exc})") from None
+    lines = res.stdout.decode("ascii", errors="replace").splitlines()
+    if res.returncode != 0 or len(lines) != len(paths):
+        why = res.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit {res.returncode}"]
+        raise CheckpointError(f"cannot check the client-state files (the verifier failed: {why[0][:200]})")
+    return [ln if _HEX64.match(ln) else None for ln in lines]
 
 
 def verify_resume(run_dir: str | Path, ckpt: Checkpoint, without_client_state: bool = False) -> None:
@@ -293,14 +330,17 @@ def verify_resume(run_dir: str | Path, ckpt: Checkpoint, without_client_state: b
     folder = run_dir / CLIENT_STATE
     flag = "restore it, or resume with --resume-without-client-state (every client starts without its state: " \
            "the run is no longer exact), or --overwrite to start again"
-    for name, digest in sorted(ckpt.client_state.items()):
+    names = sorted(ckpt.client_state)
+    for name in names:  # (a stat: nothing is read)
         path = folder / name
         if not path.is_file():
             raise CheckpointError(f"client state {path} (recorded in the checkpoint of round {ckpt.round}) is "
                                   f"missing: the resumed run would differ; {flag}")
-        if file_digest(path) != digest:
-            raise CheckpointError(f"client state {path} is damaged (its SHA-256 differs from the checkpoint's): "
-                                  f"the resumed run would differ; {flag}")
+    # the files hold the clients' keys: they are hashed in another process, never read in this one
+    for name, got in zip(names, digests_in_subprocess([folder / n for n in names])):
+        if got != ckpt.client_state[name]:
+            raise CheckpointError(f"client state {folder / name} is damaged (its SHA-256 differs from the "
+                                  f"checkpoint's): the resumed run would differ; {flag}")
 
 
 def _span(rounds: list[Any] | None) -> str:
@@ -310,10 +350,16 @@ def _span(rounds: list[Any] | None) -> str:
 
 
 def keep_client_states(folder: str | Path, names: Mapping[str, str] | Sequence[str]) -> None:
-    """Delete every mirrored client-state file in ``folder`` but ``names`` (the ones a checkpoint stands for)."""
-    for _, _, path in client_state_files(folder):
-        if path.name not in names:
-            path.unlink(missing_ok=True)
+    """Delete every mirrored client-state file in ``folder`` but ``names`` (the ones a checkpoint stands for),
+    and their digest files."""
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return
+    for e in entries:
+        m = _MIRROR_ANY.match(e.name)
+        if m and m.group(1) not in names:
+            Path(e.path).unlink(missing_ok=True)
 
 
 _TEMP = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # fedsim.reports.atomic_write_bytes' temporary files
@@ -365,10 +411,18 @@ def resume_blocker(channel: Any, rule: Any, transforms: Sequence[Any], observers
 
 # ============================================================================ client-state mirror
 _MIRROR_FILE = re.compile(r"^p(\d+)-r(\d+)\.bin$")
+_MIRROR_ANY = re.compile(r"^(p\d+-r\d+\.bin)(\.sha256)?$")  # a state file or its digest file
+DIGEST_SUFFIX = ".sha256"
 
 
 def mirror_file(folder: str | Path, partition: int, round: int) -> Path:
     return Path(folder) / f"p{int(partition)}-r{int(round)}.bin"
+
+
+def digest_file(path: str | Path) -> Path:
+    """Where a client writes the SHA-256 of the state file ``path`` (``<name>.sha256``)."""
+    path = Path(path)
+    return path.with_name(path.name + DIGEST_SUFFIX)
 
 
 def _serialise(state: Any) -> bytes:
@@ -398,7 +452,10 @@ def save_client_state(state: Any, folder: str | Path, partition: int, round: int
     content = RecordDict({k: v for k, v in state.items() if k != STATE_MIRROR_MARK})
     if not list(content.keys()) and STATE_MIRROR_MARK not in state:
         return False
-    atomic_write_bytes(mirror_file(folder, partition, round), _serialise(content))
+    data = _serialise(content)
+    path = mirror_file(folder, partition, round)
+    atomic_write_bytes(path, data)
+    atomic_write_bytes(digest_file(path), (hashlib.sha256(data).hexdigest() + "\n").encode())  # complete now
     state[STATE_MIRROR_MARK] = ConfigRecord({"round": int(round)})
     return True
 
@@ -416,7 +473,14 @@ def restore_client_state(state: Any, folder: str | Path, partition: int, upto: i
     if best is not None:
         path = mirror_file(folder, partition, best)
         try:
-            loaded = _deserialise(path.read_bytes())
+            data = path.read_bytes()
+            digest = digest_file(path).read_text(encoding="ascii", errors="replace").strip()
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise CheckpointError(f"client state {path} is damaged (its SHA-256 differs from "
+                                      f"{digest_file(path).name})")
+            loaded = _deserialise(data)
+        except CheckpointError:
+            raise
         except Exception as exc:  # noqa: BLE001 - name the file
             raise CheckpointError(f"client state {path} cannot be read ({type(exc).__name__}: {exc})") from exc
         for k in list(state.keys()):
@@ -428,21 +492,22 @@ def restore_client_state(state: Any, folder: str | Path, partition: int, upto: i
 
 
 def client_state_files(folder: str | Path) -> list[tuple[int, int, Path]]:
-    """(partition, round, path) of every mirrored client state in ``folder``."""
+    """(partition, round, path) of every complete mirrored client state in ``folder`` (a state file with its
+    digest file beside it; a client killed between the two writes left an incomplete one)."""
     out = []
     try:
-        entries = list(os.scandir(folder))
+        names = {e.name: e.path for e in os.scandir(folder)}
     except FileNotFoundError:
         return []
-    for e in entries:
-        m = _MIRROR_FILE.match(e.name)
-        if m:
-            out.append((int(m.group(1)), int(m.group(2)), Path(e.path)))
+    for name, path in names.items():
+        m = _MIRROR_FILE.match(name)
+        if m and name + DIGEST_SUFFIX in names:
+            out.append((int(m.group(1)), int(m.group(2)), Path(path)))
     return out
 
 
 def newest_client_states(folder: str | Path, upto: int) -> dict[int, int]:
-    """partition -> the newest mirrored round ``<= upto``."""
+    """partition -> the newest complete mirrored round ``<= upto``."""
     best: dict[int, int] = {}
     for p, r, _ in client_state_files(folder):
         if r <= upto and r > best.get(p, -1):

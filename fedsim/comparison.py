@@ -34,11 +34,15 @@ def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, An
     """One run folder as a row (see the module docstring). ``full`` adds every numeric key of each
     leakage entry (``<attack>.mse``, ``.iterations``, ``.rmse`` = sqrt of the mean MSE, ...) and of the
     last round's metrics (``final.<key>``), for experiment tables that name them; a run with one attack
-    also gets its columns as ``attack.<metric>``, and ``best_accuracy``, the global model's accuracy in its
-    best round."""
+    also gets its columns as ``attack.<metric>``, ``best_accuracy``, the global model's accuracy in its
+    best round, and every metric's mean over the training rounds (``mean.<key>``, e.g.
+    ``mean.strategy.weights_entropy``)."""
     run_dir = Path(run_dir)
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = read_json(run_dir / "summary.json")
     rows = read_jsonl(run_dir / "metrics.jsonl")
+    if not all(isinstance(r, dict) and isinstance(r.get("round"), int) for r in rows):
+        raise ValueError(f"{run_dir / 'metrics.jsonl'}: every line must be a round's row (a JSON object with "
+                         "an integer 'round'), as fedsim writes it")
     train_rounds = [r for r in rows if r["round"] >= 2] or [r for r in rows if r["round"] >= 1]
     secs = [r["seconds"] for r in train_rounds]
     row: dict[str, Any] = {"variant": label, "status": summary.get("status", "completed"),
@@ -71,11 +75,30 @@ def run_row(label: str, run_dir: str | Path, full: bool = False) -> dict[str, An
         row.update({f"final.{k}": v for k, v in last.items() if _number(v)})
         if _number(summary.get("best_accuracy")):  # the best round's global accuracy (papers that report it)
             row["best_accuracy"] = summary["best_accuracy"]
+        trained = [r for r in rows if r["round"] >= 1]
+        for k in dict.fromkeys(k for r in trained for k in r):  # the mean over the training rounds
+            vals = [float(r[k]) for r in trained if _number(r.get(k))]
+            if vals and k != "round":
+                row[f"mean.{k}"] = float(np.mean(vals))
         leaks = summary.get("leakage", [])
         if len(leaks) == 1:  # one attack: also as attack.<metric>, so a table can compare runs of different attacks
             row.update({f"attack.{k[len(leaks[0]['attack']) + 1:]}": v for k, v in list(row.items())
                         if k.startswith(leaks[0]["attack"] + ".")})
     return row
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file; a file that is unreadable, not JSON or not an object is a ValueError
+    naming it."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, as fedsim writes it; got {type(data).__name__}")
+    return data
 
 
 def _number(v: Any) -> bool:
@@ -217,8 +240,11 @@ def run_folders(path: str | Path) -> list[tuple[str, list[Path]]]:
     if (p / "sweep.jsonl").is_file():
         out = []
         for r in read_jsonl(p / "sweep.jsonl"):
+            if not isinstance(r, dict) or "variant" not in r:
+                raise ValueError(f"{p / 'sweep.jsonl'}: every line must be a variant's row with a 'variant', "
+                                 "as fedsim writes it")
             runs = r.get("runs") or [r.get("run")]
-            out.append((str(r["variant"]), [p / str(x) for x in runs if x]))
+            out.append((str(r["variant"]), [p / str(x) for x in (runs if isinstance(runs, list) else [runs]) if x]))
         return out
     raise ValueError(f"{str(p)!r} is neither a run folder (summary.json, metrics.jsonl) nor a sweep folder "
                      "(sweep.jsonl); an unfinished run has no summary.json yet")
@@ -259,17 +285,28 @@ def compare(paths: Sequence[str | Path], out: str | Path, title: str = "comparis
     from fedsim.export import write_csv
     from fedsim.reports import atomic_write_text
 
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} exists and is not a folder")
     groups: list[tuple[str, list[Path]]] = []
     for p in paths:
         groups += run_folders(p)
     labels = [g[0] for g in groups]
     groups = [(f"{lab} [{i}]" if labels.count(lab) > 1 else lab, dirs) for i, (lab, dirs) in enumerate(groups)]
-    rows = [mean_std_rows(label, [run_row(label, d) for d in dirs]) for label, dirs in groups]
+    rows = []
+    for label, dirs in groups:
+        per_run = []
+        for d in dirs:
+            try:
+                per_run.append(run_row(label, d))
+            except (KeyError, TypeError, AttributeError, IndexError) as exc:  # valid JSON, not fedsim's
+                raise ValueError(f"{d}: summary.json / metrics.jsonl are not as fedsim writes them "
+                                 f"({type(exc).__name__}: {exc})") from None
+        rows.append(mean_std_rows(label, per_run))
     warnings = mismatches(groups)
     for w in warnings:
         log.warning("compare: %s", w)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # everything is read: nothing below fails on the runs' files
     plot_comparison(groups, rows, out / "comparison.png", title)
     figures = privacy_figure(rows, out)
     cols = table_columns(rows)

@@ -8,14 +8,23 @@ naming the key (``defenses[0].ratio``, ``strategy.mu``, ``attack.victims``, ...)
 
 The core never imports a plugin package: plugins register themselves here when they are imported,
 and the composition root (``fedsim.app``) imports the built-in plugin packages. A name may also be
-an import reference ``"package.module:attribute"`` to a user's own class (it must be a subclass of
-the registry's base class).
+an import reference ``"package.module:attribute"`` or ``"path/file.py:attribute"`` to a user's own
+code. A config is data, so a reference loads only what the user clearly asked for
+(:meth:`Registry.lookup`, docs/plugins.md "What a reference may name"): a subclass of the registry's
+base class, or a function (or a class of a registry without a base) that a plugin registered or that
+is defined in the user's own code - never something of Python's standard library or of an installed
+package (``"os:system"``, ``"subprocess:call"``, ``"builtins:eval"``, ``"shutil:rmtree"``), which
+could be handed any arguments the config names.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
 import math
+import os
+import re
+import sys
+import sysconfig
 import types
 import typing
 from typing import Any, Callable, Mapping, Sequence
@@ -134,17 +143,63 @@ def _non_finite(value: Any, where: str = "") -> tuple[str, float] | None:
     return None
 
 
+STDLIB = "Python's standard library"
+INSTALLED = "an installed package"
+
+
+def _library_file(path: str) -> str | None:
+    """:data:`STDLIB` or :data:`INSTALLED` when ``path`` lies in Python's standard library or in a
+    ``site-packages`` / ``dist-packages`` folder (an installed distribution); None for the user's own
+    files (a checkout, a ``PYTHONPATH`` folder, an editable install's sources)."""
+    real = os.path.realpath(path)
+    parts = real.split(os.sep)
+    if "site-packages" in parts or "dist-packages" in parts:
+        return INSTALLED
+    if any(a.lower() in ("lib", "lib64") and re.fullmatch(r"python\d+(\.\d+)?t?", b)
+           for a, b in zip(parts, parts[1:])):
+        return STDLIB  # <prefix>/lib/pythonX.Y/ of any Python installation, not only this one's
+    for key in ("stdlib", "platstdlib"):
+        for paths in (sysconfig.get_paths(), sysconfig.get_paths(vars={"installed_base": sys.base_prefix,
+                                                                       "installed_platbase": sys.base_exec_prefix,
+                                                                       "base": sys.base_prefix,
+                                                                       "platbase": sys.base_exec_prefix})):
+            lib = paths.get(key)
+            if lib and (real + os.sep).startswith(os.path.realpath(lib) + os.sep):
+                return STDLIB
+    return None
+
+
+def _stdlib_module(name: str) -> bool:
+    top = name.split(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names or top == "__main__"
+
+
+def code_origin(obj: type | types.FunctionType) -> tuple[str | None, str]:
+    """Where a class's or function's code is defined: (:data:`STDLIB`, :data:`INSTALLED`, or None for
+    the user's own code; its qualified name). A module that cannot be located counts as the standard
+    library."""
+    module = getattr(obj, "__module__", None)
+    qual = f"{module}.{getattr(obj, '__qualname__', '?')}"
+    if not isinstance(module, str) or _stdlib_module(module):
+        return STDLIB, qual
+    file = getattr(sys.modules.get(module), "__file__", None)
+    return (_library_file(file) if file else STDLIB), qual
+
+
 def _load_file_module(path: str, what: str) -> types.ModuleType:
     """Import a Python file by path once per process (a stable module name derived from its absolute
-    path, so every lookup - and every process that reads the same config - gets the same classes)."""
+    path, so every lookup - and every process that reads the same config - gets the same classes).
+    A file of Python's standard library or of an installed package is refused before it runs."""
     import hashlib
     import importlib.util
-    import os
-    import sys
 
     full = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(full):
         raise ConfigError(f"{what}: {_no_file(path)}")
+    library = _library_file(full)
+    if library:
+        raise ConfigError(f"{what}: plugin file {path!r} is part of {library}: a file reference must name "
+                          "your own code (an installed package's class: 'package.module:Class')")
     stem = "".join(c if c.isalnum() else "_" for c in os.path.splitext(os.path.basename(full))[0])
     name = f"fedsim_plugin_{stem}_{hashlib.sha1(full.encode()).hexdigest()[:10]}"
     if name in sys.modules:
@@ -196,6 +251,10 @@ def resolve_reference(ref: str, what: str) -> Any:
     ``"package.module:attribute"`` imports a module (it must be importable: installed, or on
     ``PYTHONPATH``); ``"path/to/file.py:attribute"`` imports a file (a relative path is taken from
     the working directory; :func:`absolute_reference` makes it absolute for processes elsewhere).
+    A module of Python's standard library is refused before it is imported, a file of the standard
+    library or of an installed package before it runs; what the object may be is the registry's
+    decision (:meth:`Registry.lookup`). Any error while importing - the plugin's own code raising
+    included - is a :class:`ConfigError` naming ``what`` and the reference.
     """
     mod, _, attr = ref.rpartition(":")
     try:
@@ -203,14 +262,18 @@ def resolve_reference(ref: str, what: str) -> Any:
             raise ValueError("expected 'module:attribute' or 'path/file.py:attribute'")
         if reference_file(ref) is not None:
             obj: Any = _load_file_module(mod, what)
+        elif _stdlib_module(mod):
+            raise ConfigError(f"{what}: {ref!r} names {STDLIB}; a reference must name your own code or a "
+                              "component class (docs/plugins.md)")
         else:
             obj = importlib.import_module(mod)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except ConfigError:
         raise
-    except (ImportError, AttributeError, ValueError, SyntaxError, OSError) as exc:
-        raise ConfigError(f"{what}: cannot import {ref!r} ({type(exc).__name__}: {exc})") from None
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the plugin's import failed: one line naming it
+        msg = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(f"{what}: cannot import {ref!r} ({msg})") from None
     return obj
 
 
@@ -284,23 +347,50 @@ class Registry:
         return self._classes.get(name, default)
 
     def lookup(self, name: Any, where: str) -> type:
-        """The class registered as ``name`` (or imported from ``"module:attr"``); errors name ``where``."""
+        """The class registered as ``name`` (or imported from ``"module:attr"``); errors name ``where``.
+
+        What a reference may name (a config is data: loading it must not run arbitrary code):
+
+        * anything this registry holds (a plugin registered it: a decorator, an entry point);
+        * a subclass of the registry's ``base`` (from the user's code or an installed package);
+        * a function (registries with ``functions``), or a class of a registry without a base, only when
+          it is defined in the user's own code: a file reference, or a module that is neither part of
+          Python's standard library nor of an installed package (``site-packages``), since fedsim calls
+          it with whatever keyword arguments the config names.
+        """
         if isinstance(name, str) and name in self._classes:
             return self._classes[name]
         if is_reference(name):
-            cls = resolve_reference(name, where)
-            if isinstance(cls, type):
-                ok = self.base is None or issubclass(cls, self.base)
-            else:
-                ok = self.functions and callable(cls)
-            if not ok:
-                base = f" a subclass of {self.base.__module__}.{self.base.__qualname__}" if self.base else " a class"
-                raise ConfigError(f"{where}: {name!r} must name{base}{' or a function' if self.functions else ''}")
-            return cls
+            obj = resolve_reference(name, where)
+            self._check_reference(obj, name, where)
+            return obj
         if not self._classes and not self.functions:
             raise ConfigError(f"{where}: no {self.kind} is registered (load fedsim's plugins through fedsim.app)")
         raise ConfigError(f"{where} must be one of {self.names()} or an import reference "
                           f"('module:attribute' or 'path/file.py:attribute'), got {name!r}")
+
+    def _expected(self) -> str:
+        mod = "torch.nn" if self.base is not None and self.base.__module__.startswith("torch.nn.") else \
+            getattr(self.base, "__module__", "")
+        base = f"a subclass of {mod}.{self.base.__qualname__}" if self.base else "a class"
+        return base + (" or a function" if self.functions else "")
+
+    def _check_reference(self, obj: Any, ref: str, where: str) -> None:
+        if any(obj is c for c in self._classes.values()):
+            return  # registered by a plugin
+        if isinstance(obj, type) and self.base is not None:
+            if issubclass(obj, self.base):
+                return
+            raise ConfigError(f"{where}: {ref!r} must name {self._expected()}")
+        if not isinstance(obj, type) and not (self.functions and inspect.isfunction(obj)):
+            got = "" if isinstance(obj, type) else f" (got {type(obj).__name__})"
+            raise ConfigError(f"{where}: {ref!r} must name {self._expected()}{got}")
+        library, qual = code_origin(obj)
+        if library:
+            what = "a class" if isinstance(obj, type) else "a function"
+            raise ConfigError(f"{where}: {ref!r} is {what} of {library} ({qual}); a {self.kind} reference may "
+                              f"name {self._expected()} defined in your own code (a file 'path/file.py:name' or "
+                              f"a module of yours) or registered by a plugin (docs/plugins.md)")
 
     def params(self, cls: type) -> dict[str, inspect.Parameter]:
         return declared_params(cls, self.hidden)
@@ -353,6 +443,9 @@ class Registry:
             msg = str(exc)
             head = where.split("[")[0].split(".")[0]
             raise ConfigError(msg if msg.startswith((head + ".", where)) else f"{where} ({name}): {msg}") from exc
+        except Exception as exc:  # noqa: BLE001 - a plugin's constructor failed otherwise: one line naming it
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            raise ConfigError(f"{where} ({name}): building it raised {msg}") from exc
 
     def build_list(self, entries: Any, where: str, **context: Any) -> list[Any]:
         """``[[section]]`` entries in order (names may also be given as plain strings)."""
@@ -382,3 +475,5 @@ OBSERVERS = Registry("observer", hidden=("cfg",))  # observers at the intercepti
 MODELS = Registry("model", hidden=("in_shape", "num_classes"), functions=True)
 DATASETS = Registry("dataset", hidden=("data_dir", "download", "root_size"), functions=True)
 KNOWLEDGE = Registry("attacker knowledge", hidden=("cfg",))  # threat-model ablations of the curious server (attacks/)
+# ``[[report.figures]] draw``: functions ``draw(out_dir, configs)`` of experiment reports (experiments/)
+FIGURES = Registry("report figure", functions=True)

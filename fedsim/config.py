@@ -11,6 +11,7 @@ before anything is written. Validation needs the plugins registered: load config
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import tomllib
@@ -74,7 +75,11 @@ SCHEMA: dict[str, Field] = {
                           "import reference 'module:function' / 'path/file.py:function' (docs/plugins.md)"),
     "data.params": Field(dict, {}, help="keyword parameters of your own dataset function"),
     "data.partition": Field(str, "iid", choices=("iid", "dirichlet", "pathological", "natural"),
-                            help="natural: one source per client (datasets with sources, e.g. synthetic-2d)"),
+                            help="natural: one source per client (datasets with sources, e.g. synthetic-2d, "
+                            "or data.styles)"),
+    "data.styles": Field(list, [], help="feature shift: the images drawn in one style per source, e.g. "
+                         "[\"plain\", \"inverted\"] (with partition = \"natural\": one style per client); "
+                         "styles: plain, inverted, rotated, low-contrast, blurred, thick"),
     "data.alpha": Field(NUM, 0.5, min=1e-6, help="Dirichlet concentration"),
     "data.classes_per_client": Field(int, 2, min=1, help="pathological: classes per client"),
     "data.min_per_class": Field(int, 10, min=1, help="pathological: fewest samples per class"),
@@ -314,6 +319,8 @@ def precheck(cfg: dict[str, Any]) -> None:
     if data["min_per_class"] > data["max_per_class"]:
         raise ConfigError(f"data.min_per_class ({data['min_per_class']}) must be <= data.max_per_class "
                           f"({data['max_per_class']})")
+    if data["styles"] and not all(isinstance(x, str) for x in data["styles"]):
+        raise ConfigError(f"data.styles must be a list of style names, got {data['styles']!r}")
     if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
         raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
     if not train["momentum"] < 1:
@@ -334,10 +341,17 @@ def validate(cfg: dict[str, Any]) -> None:
     the device, every component section (:func:`build_components`) and the data."""
     precheck(cfg)
     data = cfg["data"]
-    if data["partition"] == "natural":
+    if data["styles"]:  # (the styles module imports torch: not in precheck)
+        from fedsim.data.styles import check_styles
+
+        try:
+            check_styles(data["styles"])
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if data["partition"] == "natural" and not data["styles"]:
         from fedsim.data import DATASETS
 
-        if not DATASETS[data["dataset"]].sources:
+        if data["dataset"] not in DATASETS or not DATASETS[data["dataset"]].sources:
             raise ConfigError(f"data.partition = 'natural' needs a dataset with natural sources "
                               f"({sorted(n for n, e in DATASETS.items() if e.sources)}), got {data['dataset']!r}")
     check_model_and_data(cfg)
@@ -399,7 +413,7 @@ def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
         return
     except ValueError as exc:  # root_size and other dataset parameters
         raise ConfigError(str(exc)) from None
-    problem = attack_data_problem(cfg, ds.in_shape)
+    problem = attack_data_problem(cfg, ds.in_shape) or model_problem(cfg) or attack_model_problem(cfg)
     if problem:
         raise ConfigError(problem)
     try:
@@ -413,6 +427,87 @@ def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
                           f"{cfg['federation']['num_clients']})")
 
 
+def model_problem(cfg: Mapping[str, Any]) -> str | None:
+    """What is wrong with the model the config describes on its data, found before anything runs: it
+    cannot be built (a plugin raising, returning something that is not an ``nn.Module``), or its forward
+    on two examples raises or does not return ``(batch, num_classes)`` logits. The message names
+    ``model.name``; None when the model works. Cached per (model, data) sections."""
+    import json
+
+    return _model_problem(json.dumps({"model": cfg["model"], "data": cfg["data"]}, sort_keys=True, default=str))
+
+
+@functools.lru_cache(maxsize=16)
+def _model_problem(text: str) -> str | None:
+    import json
+
+    import torch
+
+    from fedsim.data import DatasetUnavailable
+    from fedsim.factories import dataset_for, model_for
+
+    cfg = json.loads(text)
+    name = cfg["model"]["name"]
+    try:
+        ds = dataset_for(cfg)
+    except DatasetUnavailable:
+        return None  # reported where the data is needed
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+        try:
+            model = model_for(cfg)
+        except ConfigError as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - a plugin's (or the data's) failure: one line naming the key
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return msg[len("ValueError: "):] if msg.startswith("ValueError: model.") else f"model.name {name!r}: {msg}"
+        x = ds.x_test[:2] if len(ds.x_test) else ds.x_train[:2]
+        try:
+            model.train()
+            with torch.no_grad():
+                out = model(x)
+        except Exception as exc:  # noqa: BLE001
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return f"model.name {name!r}: its forward on {len(x)} inputs of shape {tuple(x.shape[1:])} raised {msg}"
+    want = (len(x), ds.num_classes)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
+        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return (f"model.name {name!r}: its forward on {len(x)} inputs of shape {tuple(x.shape[1:])} returned "
+                f"{got}; fedsim needs logits of shape (batch, num_classes) = {want}")
+    return None
+
+
+def _attack_names(attack: Mapping[str, Any]) -> list[Any]:
+    name = attack.get("name", "dlg")
+    return [name] if isinstance(name, str) else list(name)
+
+
+def attack_model_problem(cfg: Mapping[str, Any]) -> str | None:
+    """An attack of ``[attack]`` that cannot attack this model (``Attack.model_problem``: e.g. ``ig-bn``'s
+    BatchNorm prior on a model without BatchNorm), found before anything trains; the message names
+    ``attack.name``, or None."""
+    import torch
+
+    from fedsim.components import ATTACKS
+    from fedsim.factories import model_for
+
+    attack = cfg.get("attack") or {}
+    if not attack or attack.get("enabled", True) is False:
+        return None
+    params = attack.get("params") or {}
+    attacks = [(n, ATTACKS.build_named(n, params.get(n) or {}, f"attack.params.{n}", name_where="attack.name"))
+               for n in _attack_names(attack)]
+    checks = [(n, a.model_problem) for n, a in attacks if callable(getattr(a, "model_problem", None))]
+    if not checks:
+        return None
+    with torch.random.fork_rng(devices=[]):
+        model = model_for(cfg)
+    for n, check in checks:
+        problem = check(model)
+        if problem:
+            return f"attack.name {n!r}: {problem}"
+    return None
+
+
 def attack_data_problem(cfg: Mapping[str, Any], in_shape: Sequence[int]) -> str | None:
     """Records (tabular data, inputs (F,)) can be attacked only by the attacks that reconstruct them
     (``supports_records``); the message naming ``attack.name``, or None."""
@@ -421,7 +516,7 @@ def attack_data_problem(cfg: Mapping[str, Any], in_shape: Sequence[int]) -> str 
     attack = cfg.get("attack") or {}
     if len(in_shape) == 3 or not attack or attack.get("enabled", True) is False:
         return None
-    names = [attack.get("name", "dlg")] if isinstance(attack.get("name", "dlg"), str) else list(attack["name"])
+    names = _attack_names(attack)
 
     def for_records(n: str) -> bool:
         try:

@@ -24,7 +24,7 @@ def dataset_for(cfg: Mapping[str, Any]) -> Dataset:
     """The config's dataset (``data.*``); cached by ``load_dataset``."""
     d = cfg["data"]
     return load_dataset(d["dataset"], d.get("data_dir"), bool(d.get("download", False)), int(d["root_size"]),
-                        json.dumps(d.get("params") or {}, sort_keys=True))
+                        json.dumps(d.get("params") or {}, sort_keys=True), tuple(d.get("styles") or ()))
 
 
 def partition_params(cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -94,8 +94,7 @@ class RandomKeyEvaluation(Observer):
                  key_length: int = keylock.DEFAULT_KEY_LENGTH, key_salt: int = 0, lock_activation: str = "none"):
         self.cfg = cfg
         self.blocks = keylock.check_blocks(blocks)
-        if isinstance(key_length, bool) or not isinstance(key_length, int) or key_length < 1:
-            raise ValueError(f"key_length must be an integer >= 1, got {key_length!r}")
+        key_length = keylock.check_key_length(key_length)
         self.key_length, self.key_salt = int(key_length), int(key_salt)
         self.lock_activation = keylock.check_activation(lock_activation)
         self.own: dict[int, dict[int, float]] = {}  # round -> client -> own-key accuracy before local training

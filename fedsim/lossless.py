@@ -318,13 +318,26 @@ class Secrets:
         return row[:, None] * col[None, :], row
 
 
-def _check_range(key: str, value: Any, positive: bool = True) -> tuple[float, float]:
+# bounds of the noise ranges (multiplicative, gamma, additive): each end in [1e-6, 1e6] and high / low at
+# most 1e6. The recovery's float64 error grows with (high / low)^2 (docs/lossless.md "Numerics": 1e-5
+# relative at [1e-3, 1e3]); far outside, the perturbed model overflows float32 on its way to the clients
+RANGE_BOUNDS = (1e-6, 1e6)
+MAX_RANGE_RATIO = 1e6
+
+
+def check_range(key: str, value: Any) -> tuple[float, float]:
+    """A noise range ``[low, high]`` as floats; ValueError naming ``key`` unless finite, positive,
+    ``low <= high``, within :data:`RANGE_BOUNDS` and ``high / low <=`` :data:`MAX_RANGE_RATIO`."""
     ok = (isinstance(value, (tuple, list)) and len(value) == 2
           and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
     if not ok or not (0 < value[0] <= value[1]):
-        raise ValueError(f"lossless.{key} must be a pair (low, high) of finite numbers with 0 < low <= high, "
-                         f"got {value!r}")
-    return float(value[0]), float(value[1])
+        raise ValueError(f"{key} must be a pair [low, high] of finite numbers with 0 < low <= high, got {value!r}")
+    lo, hi = float(value[0]), float(value[1])
+    if lo < RANGE_BOUNDS[0] or hi > RANGE_BOUNDS[1] or hi / lo > MAX_RANGE_RATIO:
+        raise ValueError(f"{key} must lie in [{RANGE_BOUNDS[0]:g}, {RANGE_BOUNDS[1]:g}] with high / low <= "
+                         f"{MAX_RANGE_RATIO:g} (the recovery's float64 error grows with (high / low)^2; "
+                         f"docs/lossless.md), got {value!r}")
+    return lo, hi
 
 
 def _log_uniform(n: int, lo: float, hi: float, gen: torch.Generator) -> torch.Tensor:
@@ -374,9 +387,9 @@ def draw_secrets(shapes: Sequence[tuple[int, int]], m: int, generator: torch.Gen
         raise ValueError(f"lossless.groups (m) must be 1 with mode='shift', got {m}")
     if not isinstance(generator, torch.Generator):
         raise ValueError("draw_secrets needs a torch.Generator (explicit seeding)")
-    mlo, mhi = _check_range("multiplicative", multiplicative)
-    glo, ghi = _check_range("gamma", gamma)
-    alo, ahi = _check_range("additive", additive)
+    mlo, mhi = check_range("lossless.multiplicative", multiplicative)
+    glo, ghi = check_range("lossless.gamma", gamma)
+    alo, ahi = check_range("lossless.additive", additive)
     r = tuple(_log_uniform(n, mlo, mhi, generator) for n, _ in shapes[:-1])
     perm = torch.randperm(n_out, generator=generator)
     groups = torch.empty(n_out, dtype=torch.int64)

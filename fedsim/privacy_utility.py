@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from fedsim.components import FIGURES
 from fedsim.reports import read_jsonl
 
 
@@ -123,6 +124,7 @@ def _marker(row: Mapping[str, Any]) -> str:
     return "s" if _finite(row.get("epsilon_client")) and float(row["epsilon_client"]) <= float(e) else "o"
 
 
+@FIGURES.register(name="privacy-utility")  # referenced as "fedsim.privacy_utility:draw", also when installed
 def draw(out_dir: Path, configs: Mapping[str, Any]) -> str | None:
     """``[[report.figures]]`` hook: the picture of the sweep folder's variants (``sweep.jsonl``)."""
     out_dir = Path(out_dir)

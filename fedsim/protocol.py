@@ -62,6 +62,7 @@ TRAIN_ACCURACY = "train_accuracy"
 EVAL_LOSS = "eval_loss"
 EVAL_ACCURACY = "eval_accuracy"
 EVAL_EXAMPLES = "eval_examples"
+EVAL_SOURCE_ACCURACY = "eval_source_accuracy"  # evaluate reply: accuracy on each test source, in order
 HOSTED_PARTITIONS = "hosted-partitions"  # query reply: the partitions a node serves
 FINAL_TRAIN_LOSS = "final_train_loss"  # train reply (if asked): loss of the trained model on the training split
 CROSSVAL_LOSSES = "crossval-losses"  # cross-validation reply: each model's loss on the validation split
@@ -92,6 +93,8 @@ ROUNDS = "rounds"  # the round each of PAYLOADS is the aggregate update of (upda
 BASE = "base"  # the round whose global model PAYLOADS' updates start from (0: the initial model, in ARRAYS)
 RANGE_EXPONENT = "range-exponent"  # train reply (update encryption): e with max|update| <= 2**e; no payload yet
 CLIP = "clip"  # channel setup "encrypt": the round's common clipping range 2**max(e) the clients encrypt at
+HELD_ROUND = "held-round"  # channel setup "advance" reply: the round whose global model the client now holds
+DECRYPT_SECONDS = "decrypt-seconds"  # channel setup "advance" reply: the client's time to decode what it got
 
 # ---- EXTRAS array names of seed 002's lossless perturbation (strategies/lossless.py <-> clients/lossless.py)
 LOSSLESS_MODEL = "lossless.model."  # + state-dict name: the perturbed model W^ in float64 (server -> client)

@@ -94,14 +94,14 @@ def append_jsonl(path: str | Path, rows: Iterable[Mapping[str, Any]]) -> None:
 def read_jsonl(path: str | Path, skip_bad: bool = False) -> list[dict[str, Any]]:
     """The rows of a JSONL file; ``skip_bad`` drops lines that do not parse (a line cut by a crash)."""
     rows = []
-    for line in Path(path).read_text().splitlines():
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
-        except ValueError:
+        except ValueError as exc:
             if not skip_bad:
-                raise
+                raise ValueError(f"{path}: line {n} is not valid JSON ({exc})") from None
     return rows
 
 

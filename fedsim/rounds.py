@@ -10,7 +10,9 @@
    replies that fail a check become recorded failures (not fatal); every valid reply is shown to the
    observers (the interception point, before aggregation) through the channel's view;
 4. the rule aggregates (through the channel), the transforms' ``after_aggregate`` run in reverse; a
-   non-finite global model stops the run (:class:`NonFiniteModel`).
+   non-finite global model stops the run (:class:`NonFiniteModel`);
+5. the channel's ``after_round`` (e.g. the Paillier channel sends the new aggregate ahead to the next
+   round's clients).
 
 It returns the new global state and a :class:`RoundRecord`; evaluating, notifying observers of the
 round's end, writing metrics and printing progress is the server loop's round-end step
@@ -41,6 +43,7 @@ from fedsim.protocol import (
     EVAL_ACCURACY,
     EVAL_EXAMPLES,
     EVAL_LOSS,
+    EVAL_SOURCE_ACCURACY,
     EVALUATE,
     EXTRAS,
     HOSTED_PARTITIONS,
@@ -425,8 +428,9 @@ class RoundEngine:
 
     def check_evaluation(self, reply: Reply) -> None:
         """An ``evaluate`` reply: a metrics record with a finite loss >= 0 (the evaluation's cross-entropy
-        never is negative), an accuracy in [0, 1] and a positive example count (at most the larger of
-        ``federation.max_examples`` and the test split)."""
+        never is negative), an accuracy in [0, 1], a positive example count (at most the larger of
+        ``federation.max_examples`` and the test split) and (when it sends them) accuracies per test source
+        in [0, 1]."""
         m = self.check_metrics(reply, EVAL_LOSS, EVAL_ACCURACY, EVAL_EXAMPLES)
         loss, acc = m[EVAL_LOSS], m[EVAL_ACCURACY]
         if not _is_finite_number(loss) or loss < 0:
@@ -436,6 +440,10 @@ class RoundEngine:
         if not 0 <= acc <= 1:
             raise InvalidReply(f"{EVAL_ACCURACY} must be in [0, 1], got {acc!r}")
         self.check_count(m[EVAL_EXAMPLES], EVAL_EXAMPLES, bound=self.max_eval_examples)
+        per = m.get(EVAL_SOURCE_ACCURACY)
+        if per is not None and not (isinstance(per, list) and len(per) <= 64 and all(
+                _is_finite_number(a) and 0 <= a <= 1 for a in per)):
+            raise InvalidReply(f"{EVAL_SOURCE_ACCURACY} must be a list of accuracies in [0, 1], got {str(per)[:100]}")
 
     def check_global(self, server_round: int, state: Any) -> None:
         """Raise :class:`NonFiniteModel` if the new global model (when the server can read it) is not finite."""
@@ -497,6 +505,7 @@ class RoundEngine:
                 record.transform_metrics[t.name] = dict(t.metrics())
             new_state = self.channel.initial(arrays)
         self.check_global(server_round, new_state)
+        self.channel.after_round(ctx, new_state)
         record.channel_metrics = dict(self.channel.metrics())
         if self.privacy:  # after the rule: a central-DP rule has recorded this round's release
             record.privacy = self.privacy.after_round(server_round, record.contributors, config)
@@ -520,9 +529,10 @@ class RoundEngine:
 
     # ---- evaluation by a client (when the server cannot read the model) ------------------------------
     def evaluate_remote(self, grid: Grid, server_round: int, state: Any, record: RoundRecord,
-                        partitions: Sequence[int]) -> tuple[float, float, int] | None:
+                        partitions: Sequence[int]) -> tuple[float, float, int, list[float]] | None:
         """Ask the first of ``partitions`` that answers to evaluate the global state on the common test
-        split; returns (loss, accuracy, partition) or None if none could."""
+        split; returns (loss, accuracy, partition, accuracy per test source - empty when the reply has
+        none) or None if none could."""
         config = train_config(self.cfg, server_round)
         content = RecordDict({CONFIG: config, **self.channel.outgoing(state)})
         for p in partitions:
@@ -530,5 +540,6 @@ class RoundEngine:
                                 self.check_evaluation)
             if replies:
                 m = replies[0].metrics
-                return float(m[EVAL_LOSS]), float(m[EVAL_ACCURACY]), p
+                per = m.get(EVAL_SOURCE_ACCURACY) or []  # checked by check_evaluation
+                return float(m[EVAL_LOSS]), float(m[EVAL_ACCURACY]), p, [float(a) for a in per]
         return None

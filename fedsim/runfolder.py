@@ -158,6 +158,7 @@ class RunFolder:
 
     def __init__(self, path: Path, fd: int | None, created: bool, decision: Decision):
         self.path, self._fd, self.created, self.decision = path, fd, created, decision
+        self.made_parent: Path | None = None  # output.dir, when it was made for this folder
 
     @property
     def action(self) -> str:
@@ -191,6 +192,11 @@ class RunFolder:
         self.release()
         if self.created:
             shutil.rmtree(self.path, ignore_errors=True)
+            if self.made_parent is not None:
+                try:
+                    self.made_parent.rmdir()  # only if empty: another run may have appeared in it
+                except OSError:
+                    pass
 
     def __enter__(self) -> "RunFolder":
         return self

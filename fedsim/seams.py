@@ -259,6 +259,12 @@ class ServerChannel:
         may return a single reply standing for several clients (``Reply.contributors``)."""
         return ctx.send(partitions, TRAIN, content, None, "train")
 
+    def after_round(self, ctx: RoundContext, state: Any) -> None:
+        """After the round's global state is formed and checked (before the server evaluates it): a channel
+        may exchange more with the clients here (the Paillier channel sends the new aggregate ahead to the
+        next round's clients, who decrypt it now, all at once, instead of one after another later).
+        Default: nothing."""
+
     def initial(self, arrays: Arrays) -> Any:
         """The state for the (public) initial model."""
         return arrays

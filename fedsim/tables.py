@@ -1,11 +1,11 @@
-"""Paper-shaped tables, the systematic evaluation (seed 004 eq. 3) and checked claims for experiments.
+"""Paper-shaped tables and the systematic evaluation (seed 004 eq. 3) for experiments.
 
 An experiment (``fedsim experiment NAME``: a sweep file with ``[experiment]``, ``[quick]`` and
 ``[report]`` tables, :mod:`fedsim.app.sweep`) gives every variant a ``row`` and optionally a ``col``
 label and its report one or more tables laid out like the paper's:
 
 * :func:`paper_table` - ``[[report.tables]]``: rows are the variants' ``row`` labels (in file order;
-  ``rows = [...]`` keeps some; ``expand = [names]`` makes one column per name, substituting it for
+  ``rows = [...]`` keeps some, ``cols = [...]`` keeps the variants with some ``col`` labels; ``expand = [names]`` makes one column per name, substituting it for
   ``{name}`` in the cell keys: one run with several attacks, a column per attack),
   columns ``cells`` (``{key, header, scale, fmt}``; a key is any column of the variant's row, e.g.
   ``accuracy``, ``idlg.ssim``, ``ig.rmse``, ``final.<metric>``), one group of cells per ``col`` label
@@ -24,25 +24,17 @@ label and its report one or more tables laid out like the paper's:
   ``configs`` maps every variant's label to its resolved config; it writes a PNG into the sweep folder
   and returns its path, or None when it cannot be drawn from the runs there (e.g. ``--only`` left out
   a variant it needs). A figure that fails is noted in the report, not fatal;
-* :func:`check_claims` - ``[[experiment.claims]]``: a paper claim as a comparison of two cells
-  (``"variant:column"``) or of a cell with a number, evaluated on the rows: our numbers and whether it
-  holds (``docs/results/README.md``). ``op`` is one of ``>``, ``>=``, ``<``, ``<=`` (the claim is
-  ``value op than + margin``, ``margin`` optional, default 0: one-sided, e.g. "costs at most 1 point" is
-  ``value >= than`` with ``margin = -0.01``) or ``~=`` (two-sided: ``|value - than| <= margin``, ``margin``
-  required and >= 0: "within 0.5 points of" is ``op = "~="`` with ``margin = 0.005``).
+* the claims (``[[experiment.claims]]``) are decided over seeds in :mod:`fedsim.claims`.
 """
 from __future__ import annotations
 
 import math
-import operator
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fedsim.config import ConfigError
 
 LAYOUTS = ("cells-as-columns", "cells-as-rows")
-OPS = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
-WITHIN = "~="  # two-sided: |value - than| <= margin
 
 
 def _num(v: Any) -> float | None:
@@ -51,11 +43,15 @@ def _num(v: Any) -> float | None:
     return float(v) if math.isfinite(float(v)) else None
 
 
-def _cell(v: Any, spec: Mapping[str, Any]) -> str:
+def _cell(row: Mapping[str, Any] | None, key: str, spec: Mapping[str, Any]) -> str:
+    """``row[key]`` in the cell's format; ``mean ± std`` when the row has ``<key>_std`` (runs over seeds)."""
+    v = (row or {}).get(key)
     x = _num(v)
     if x is None:
         return "-" if v is None else str(v)
-    return format(x * float(spec.get("scale", 1.0)), spec.get("fmt", ".3f"))
+    scale, fmt = float(spec.get("scale", 1.0)), spec.get("fmt", ".3f")
+    sd = _num((row or {}).get(f"{key}_std"))
+    return format(x * scale, fmt) + (f" ± {format(sd * abs(scale), fmt)}" if sd is not None else "")
 
 
 # ------------------------------------------------------------------ validation of the [report] specs
@@ -83,7 +79,7 @@ def check_cells(cells: Any, where: str) -> list[dict[str, Any]]:
 def check_figures(figures: Any, where: str, base: str | None = None) -> list[dict[str, str]]:
     """``[[report.figures]]``: ``{title, draw}``; ``draw`` must import (a file reference is made absolute
     against ``base``, the experiment file's folder)."""
-    from fedsim.components import absolute_reference, is_reference, resolve_reference
+    from fedsim.components import FIGURES, absolute_reference, is_reference
 
     if not isinstance(figures, list):
         raise ConfigError(f"{where} must be a list of {{title = ..., draw = 'module:function'}} tables")
@@ -96,8 +92,7 @@ def check_figures(figures: Any, where: str, base: str | None = None) -> list[dic
         if unknown:
             raise ConfigError(f"{w}: unknown keys {sorted(unknown)} (title, draw)")
         ref = absolute_reference(f["draw"], base)
-        if not callable(resolve_reference(ref, f"{w}.draw")):
-            raise ConfigError(f"{w}.draw: {f['draw']!r} is not a function")
+        FIGURES.lookup(ref, f"{w}.draw")  # a function of the user's own code, or registered (docs/plugins.md)
         out.append({"title": f["title"], "draw": ref})
     return out
 
@@ -118,18 +113,19 @@ def check_report(report: Any, where: str = "report", base: str | None = None) ->
         w = f"{where}.tables[{i}]"
         if not isinstance(t, dict) or not isinstance(t.get("title"), str):
             raise ConfigError(f"{w} must be a table with a 'title'")
-        unknown = set(t) - {"title", "cells", "layout", "row_header", "note", "rows", "expand", "row_labels"}
+        unknown = set(t) - {"title", "cells", "layout", "row_header", "note", "rows", "cols", "expand", "row_labels"}
         if unknown:
             raise ConfigError(f"{w}: unknown keys {sorted(unknown)} (title, cells, layout, row_header, note, rows, "
-                              "expand, row_labels)")
+                              "cols, expand, row_labels)")
         if "row_labels" in t and (not isinstance(t["row_labels"], dict)
                                   or not all(isinstance(v, str) for v in t["row_labels"].values())):
             raise ConfigError(f"{w}.row_labels must be a table from row label to the label shown (strings)")
         if "expand" in t and (not isinstance(t["expand"], list) or not t["expand"]
                               or not all(isinstance(e, str) for e in t["expand"])):
             raise ConfigError(f"{w}.expand must be a non-empty list of names (e.g. attacks) for '{{name}}' in cell keys")
-        if "rows" in t and (not isinstance(t["rows"], list) or not all(isinstance(r, str) for r in t["rows"])):
-            raise ConfigError(f"{w}.rows must be a list of row labels (the variants' row)")
+        for k in ("rows", "cols"):
+            if k in t and (not isinstance(t[k], list) or not all(isinstance(r, str) for r in t[k])):
+                raise ConfigError(f"{w}.{k} must be a list of {k[:-1]} labels (the variants' {k[:-1]})")
         layout = t.get("layout", "cells-as-columns")
         if layout not in LAYOUTS:
             raise ConfigError(f"{w}.layout must be one of {list(LAYOUTS)}, got {layout!r}")
@@ -156,46 +152,6 @@ def check_report(report: Any, where: str = "report", base: str | None = None) ->
     return {"tables": tables, "systematic": sys_, "figures": figures}
 
 
-def check_claims(claims: Any, labels: Sequence[str], where: str = "experiment.claims") -> list[dict[str, Any]]:
-    if claims is None:
-        return []
-    if not isinstance(claims, list):
-        raise ConfigError(f"{where} must be a list of tables (text, value, op, than)")
-    out = []
-    for i, c in enumerate(claims):
-        w = f"{where}[{i}]"
-        if not isinstance(c, dict) or not isinstance(c.get("text"), str):
-            raise ConfigError(f"{w} must be a table with 'text'")
-        if "most_often_strongest" in c:
-            if not isinstance(c["most_often_strongest"], str):
-                raise ConfigError(f"{w}.most_often_strongest must be an attack name")
-            out.append(dict(c))
-            continue
-        if "best_family" in c:  # the systematic evaluation's winner within a utility budget
-            if not isinstance(c["best_family"], str) or _num(c.get("budget")) is None:
-                raise ConfigError(f"{w}: best_family must be a family name and budget a number")
-            out.append(dict(c))
-            continue
-        if c.get("op") not in (*OPS, WITHIN):
-            raise ConfigError(f"{w}.op must be one of {[*OPS, WITHIN]}, got {c.get('op')!r}")
-        if c["op"] == WITHIN:
-            if _num(c.get("margin")) is None or c["margin"] < 0:
-                raise ConfigError(f"{w}.margin must be a number >= 0 with op = '{WITHIN}' "
-                                  "(the claim is: |value - than| <= margin)")
-        elif "margin" in c and _num(c["margin"]) is None:
-            raise ConfigError(f"{w}.margin must be a number (the claim is: value op than + margin)")
-        for k in ("value", "than"):
-            v = c.get(k)
-            if k == "than" and _num(v) is not None:
-                continue
-            if not isinstance(v, str) or ":" not in v:
-                raise ConfigError(f"{w}.{k} must be 'variant label:column'" + (" or a number" if k == "than" else ""))
-            if v.rsplit(":", 1)[0] not in labels:
-                raise ConfigError(f"{w}.{k}: no variant labelled {v.rsplit(':', 1)[0]!r}")
-        out.append(dict(c))
-    return out
-
-
 # ------------------------------------------------------------------ tables
 def _ordered(values: Sequence[str | None]) -> list[str]:
     out: list[str] = []
@@ -207,7 +163,7 @@ def _ordered(values: Sequence[str | None]) -> list[str]:
 
 def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> str:
     """A markdown table shaped like the paper's (module docstring). ``rows`` carry ``row``/``col``;
-    ``spec["rows"]`` (optional) keeps only the variants with those row labels."""
+    ``spec["rows"]`` / ``spec["cols"]`` (optional) keep only the variants with those row / col labels."""
     cells = spec["cells"]
     shown = spec.get("row_labels") or {}
 
@@ -216,6 +172,8 @@ def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> s
 
     if spec.get("rows") is not None:
         rows = [r for r in rows if r.get("row") in spec["rows"]]
+    if spec.get("cols") is not None:
+        rows = [r for r in rows if r.get("col") in spec["cols"]]
     if spec.get("expand"):  # columns are the names, each cell key's {name} replaced by the column's name
         by_row: dict[Any, Mapping[str, Any]] = {}
         for r in rows:  # one run per row: the first variant with that row label
@@ -223,11 +181,11 @@ def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> s
         names = spec["expand"]
         if spec["layout"] == "cells-as-rows":
             header = [spec.get("row_header", ""), ""] + names
-            body = [[disp(rl), c["header"]] + [_cell(by_row[rl].get(c["key"].replace("{name}", n)), c) for n in names]
+            body = [[disp(rl), c["header"]] + [_cell(by_row[rl], c["key"].replace("{name}", n), c) for n in names]
                     for rl in by_row for c in cells]
         else:
             header = [spec.get("row_header", "")] + [f"{n}: {c['header']}" for n in names for c in cells]
-            body = [[disp(rl)] + [_cell(by_row[rl].get(c["key"].replace("{name}", n)), c) for n in names for c in cells]
+            body = [[disp(rl)] + [_cell(by_row[rl], c["key"].replace("{name}", n), c) for n in names for c in cells]
                     for rl in by_row]
         return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
                          + ["| " + " | ".join(x) + " |" for x in body])
@@ -241,15 +199,15 @@ def paper_table(rows: Sequence[Mapping[str, Any]], spec: Mapping[str, Any]) -> s
         header = [head, ""] + [c or "" for c in cols]
         for rl in row_labels:
             for c in cells:
-                lines.append([disp(rl), c["header"]] + [_cell((at.get((rl, cl)) or {}).get(c["key"]), c) for cl in cols])
+                lines.append([disp(rl), c["header"]] + [_cell(at.get((rl, cl)), c["key"], c) for cl in cols])
     elif col_labels:
         header = [head] + [f"{cl}: {c['header']}" if len(cells) > 1 else cl for cl in col_labels for c in cells]
         for rl in row_labels:
-            lines.append([disp(rl)] + [_cell((at.get((rl, cl)) or {}).get(c["key"]), c) for cl in col_labels for c in cells])
+            lines.append([disp(rl)] + [_cell(at.get((rl, cl)), c["key"], c) for cl in col_labels for c in cells])
     else:
         header = [head] + [c["header"] for c in cells]
         for rl in row_labels:
-            lines.append([disp(rl)] + [_cell((at.get((rl, None)) or {}).get(c["key"]), c) for c in cells])
+            lines.append([disp(rl)] + [_cell(at.get((rl, None)), c["key"], c) for c in cells])
     md = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(x) + " |" for x in lines]
     return "\n".join(md)
@@ -367,63 +325,3 @@ def plot_systematic(result: Mapping[str, Any], spec: Mapping[str, Any], path: Pa
     ax.legend(fontsize=7, ncol=2)
     save_figure(fig, path)
     plt.close(fig)
-
-
-# ------------------------------------------------------------------ claims
-def evaluate_claims(claims: Sequence[Mapping[str, Any]], rows: Sequence[Mapping[str, Any]],
-                    sys_result: Mapping[str, Any] | None = None, sys_spec: Mapping[str, Any] | None = None
-                    ) -> list[dict[str, Any]]:
-    by_label = {r["variant"]: r for r in rows}
-
-    def value(ref: Any) -> float | None:
-        if _num(ref) is not None:
-            return float(ref)
-        label, col = str(ref).rsplit(":", 1)
-        return _num(by_label.get(label, {}).get(col))
-
-    out = []
-    for c in claims:
-        if "best_family" in c:  # holds when that family wins within the budget at every row (batch size)
-            winners = []
-            if sys_spec is not None:
-                winners = [b["best"] for b in systematic(rows, {**sys_spec, "budgets": [c["budget"]]})["best"]]
-            got = [w for w in winners if w is not None]
-            out.append({"text": c["text"], "holds": None if not got else all(w["family"] == c["best_family"] for w in got),
-                        "ours": "no setting within the budget" if not got else
-                        f"best within utility loss <= {c['budget']:g}: " + "; ".join(
-                            f"{w['variant']} ({w['strongest']} {w['error']:.4f})" for w in got)})
-            continue
-        if "most_often_strongest" in c:  # the attack that is strongest in the most defended settings
-            counts = systematic(rows, sys_spec)["strongest_counts"] if sys_spec is not None else {}
-            top = max(counts.values()) if counts else None
-            out.append({"text": c["text"], "holds": None if not counts else counts.get(c["most_often_strongest"]) == top,
-                        "ours": "not measured" if not counts else "strongest attack per defended setting: " +
-                        ", ".join(f"{a} {n}" for a, n in sorted(counts.items(), key=lambda x: -x[1]))})
-            continue
-        a, b = value(c["value"]), value(c["than"])
-        m = float(c.get("margin", 0.0))
-        than = f"{c['than']}" + (f" = {b:.4g}" if _num(c["than"]) is None and b is not None else "")
-        if c["op"] == WITHIN:
-            holds = None if a is None or b is None else bool(abs(a - b) <= m + 1e-12)  # 1e-12: float noise
-            ours = (f"{c['value']} = {a:.4g}, {than}: |difference| = {abs(a - b):.4g}"
-                    f" {'<=' if holds else '>'} {m:g}") if a is not None and b is not None else ""
-        else:
-            holds = None if a is None or b is None else bool(OPS[c["op"]](a, b + m))
-            ours = (f"{c['value']} = {a:.4g} {c['op']} {than}" + (f" {m:+g}" if m else "")) if a is not None else ""
-        if a is None:
-            ours = f"{c['value']} missing"
-        if b is None and a is not None:
-            ours = f"{c['than']} missing"
-        out.append({"text": c["text"], "value": a, "than": b, "op": c["op"], "margin": m, "holds": holds,
-                    "ours": ours})
-    return out
-
-
-def claims_markdown(results: Sequence[Mapping[str, Any]]) -> str:
-    if not results:
-        return ""
-    lines = ["## Paper claims\n", "| claim | our numbers | holds |", "|---|---|---|"]
-    for r in results:
-        holds = "yes" if r["holds"] else ("no" if r["holds"] is False else "not measured")
-        lines.append(f"| {r['text']} | {r['ours']} | {holds} |")
-    return "\n".join(lines)

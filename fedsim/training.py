@@ -388,6 +388,19 @@ def _forward_without_side_effects(model: nn.Module, x: torch.Tensor) -> torch.Te
 
 
 @torch.no_grad()
+def source_accuracies(model: nn.Module, ds: Any, device: torch.device | str = "cpu") -> list[float]:
+    """The model's accuracy on each source's share of the test set (``ds.test_sources``, in the order of
+    ``ds.source_names``); empty for a dataset without test sources."""
+    if ds.test_sources is None or not ds.source_names:
+        return []
+    out = []
+    for s in range(len(ds.source_names)):
+        idx = torch.nonzero(ds.test_sources == s).flatten()
+        out.append(evaluate(model, ds.x_test[idx], ds.y_test[idx], device)[1] if len(idx) else float("nan"))
+    return out
+
+
+@torch.no_grad()
 def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor, device: torch.device | str = "cpu",
              batch_size: int = 1000) -> tuple[float, float]:
     """(loss, accuracy) of the model on (x, y)."""

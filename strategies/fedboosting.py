@@ -8,19 +8,24 @@
 2. DP fusion (eq. 4.5): for each contributing client ``i`` the server forms the mixture
    ``M_i = p_hat x_i + sum_{k != i} s_ik x_k`` through the channel's ``weighted_mean`` - homomorphically
    under the Paillier channel, so the server never sees a model. The others' shares ``s_ik`` sum to
-   ``1 - p_hat``: equal (eq. 4.5 as printed, ``shares = "equal"``) or drawn afresh every round from a
-   flat Dirichlet (``shares = "random"``, the default), from (seed, round) or from server-only entropy
-   (``secrets_from``). ``p_hat = 1`` sends each model itself (no fusion).
+   ``1 - p_hat``: equal (eq. 4.5 and the authors' code, ``shares = "equal"``, the default) or drawn
+   afresh every round from a flat Dirichlet (``shares = "random"``), from server-only entropy
+   (``secrets_from = "entropy"``, the default: no client can recompute them) or from (seed, round)
+   (``"seed"``: reproducible, and recomputable by any client, which sees the seed in the config).
+   ``p_hat = 1`` sends each model itself (no fusion). The fusion adds no noise: it is not differential
+   privacy in the formal sense (docs/fedboosting.md).
 3. ``evaluate.crossval`` (a second message type, inside the round): every contributor receives all
    ``N`` mixtures in one message (``channel.outgoing`` records suffixed ``#k``) and replies with their
    losses on its local validation split (``data.val_fraction``): column ``j`` of ``V[i, j]``.
-4. Weights (eq. 4.2-4.3, read as in :func:`mixture_weights`) and ``G = sum_i p_i x_i`` (eq. 4.1)
-   through the channel's ``weighted_mean``.
+4. Weights (``weighting = "eq4.2"``: eq. 4.2-4.3, read as in :func:`mixture_weights`; ``"inverse-loss"``:
+   the authors' code, :func:`inverse_loss_weights`) and ``G = sum_i p_i x_i`` (eq. 4.1) through the
+   channel's ``weighted_mean``.
 
 A validator that fails (error reply, malformed losses) is a recorded failure (stage ``crossval``); the
 weights use the validators that answered. If none answered, the round falls back to FedAvg's example
 weights (``strategy.fallback = 1``). Metrics (``strategy.*``): each contributor's weight
-(``weight.<partition>``, up to 32 clients), the weights' min / max / entropy, the V matrix's mean /
+(``weight.<partition>``, up to 32 clients), the weights' min / max / entropy (and the entropy over
+``log N``: 1 = uniform, 0 = one client), every round, the V matrix's mean /
 min / max and its diagonal (own split) and off-diagonal means, the training losses' mean, validators
 that answered, the exchange's time.
 
@@ -28,6 +33,7 @@ The rule needs weighted sums only, so it runs under the plain and the Paillier c
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Mapping, Sequence
@@ -50,8 +56,8 @@ from fedsim.rounds import Reply, RoundContext
 from fedsim.seams import InvalidReply, ModelSpec, WeightedSumRule
 from fedsim.training import derive_seed
 
-SHARES = ("random", "equal")
-SECRET_SOURCES = ("seed", "entropy")
+SHARES = ("equal", "random")
+SECRET_SOURCES = ("entropy", "seed")
 _SALT = 0xB005
 MAX_WEIGHT_COLUMNS = 32
 
@@ -62,8 +68,20 @@ def softmax(z: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
+def _check_losses(train_losses: Sequence[float], val_losses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    t = np.asarray(train_losses, dtype=np.float64)
+    v = np.asarray(val_losses, dtype=np.float64)
+    n = len(t)
+    if v.ndim != 2 or v.shape[0] != n or v.shape[1] < 1:
+        raise ValueError(f"val_losses must be an N x J matrix with N = {n} models and J >= 1 validators, "
+                         f"got shape {v.shape}")
+    if not (np.all(np.isfinite(t)) and np.all(np.isfinite(v))):
+        raise ValueError("train_losses and val_losses must be finite")
+    return t, v
+
+
 def mixture_weights(train_losses: Sequence[float], val_losses: np.ndarray, use_train_loss: bool = True) -> np.ndarray:
-    """Eq. 4.2-4.3 as fedsim reads them.
+    """Eq. 4.2-4.3 as fedsim reads them (``weighting = "eq4.2"``, the default).
 
     ``val_losses[i, j]`` (eq. 4.3's ``V^{i,j}``) is model ``i``'s loss on validator ``j``'s split, for the
     ``J`` validators that answered (``J = N`` when all did); ``train_losses[i]`` is ``T^i``.
@@ -82,28 +100,49 @@ def mixture_weights(train_losses: Sequence[float], val_losses: np.ndarray, use_t
     One client: ``p = [1]``. Equal training losses and equal ``V^i``: uniform ``1/N`` (example counts
     play no part, unlike FedAvg).
     """
-    t = np.asarray(train_losses, dtype=np.float64)
-    v = np.asarray(val_losses, dtype=np.float64)
+    t, v = _check_losses(train_losses, val_losses)
     n = len(t)
-    if v.ndim != 2 or v.shape[0] != n or v.shape[1] < 1:
-        raise ValueError(f"val_losses must be an N x J matrix with N = {n} models and J >= 1 validators, "
-                         f"got shape {v.shape}")
-    if not (np.all(np.isfinite(t)) and np.all(np.isfinite(v))):
-        raise ValueError("train_losses and val_losses must be finite")
     v_sum = v.sum(axis=1) * (n / v.shape[1])
     inner = softmax(t) if use_train_loss else np.full(n, 1.0 / n)
     return softmax(-(inner * v_sum))
 
 
+def inverse_loss_weights(train_losses: Sequence[float], val_losses: np.ndarray,
+                         use_train_loss: bool = True) -> np.ndarray:
+    """The weighting of the authors' public code (``weighting = "inverse-loss"``; Rand2AI/FedBoosting,
+    ``FLutils/fed_server.py``, read there, not copied): no softmax, ratios of losses.
+
+    * ``q_i = 1 / mean_j V[i, j]``: the inverse of model ``i``'s mean validation loss over the validators
+      that answered (a mean, so missing validators need no rescaling);
+    * ``r_i = (1 / T_i) / sum_k (1 / T_k)``: the normalised inverse training loss (``use_train_loss =
+      False``: ``r_i = 1``);
+    * ``p = q * r / sum(q * r)``.
+
+    A model with half the losses gets twice the weight (eq. 4.2's softmax gives it ``e`` to the difference
+    of the losses instead: flatter for small losses, sharper for large ones). Losses are clipped at 1e-12
+    (a model that fits perfectly would otherwise divide by zero). Equal losses: uniform ``1/N``.
+    """
+    t, v = _check_losses(train_losses, val_losses)
+    q = 1.0 / np.maximum(v.mean(axis=1), 1e-12)
+    if use_train_loss:
+        inv_t = 1.0 / np.maximum(t, 1e-12)
+        q = q * inv_t / inv_t.sum()
+    return q / q.sum()
+
+
+WEIGHTINGS = {"eq4.2": mixture_weights, "inverse-loss": inverse_loss_weights}
+
+
 @STRATEGIES.register
 class FedBoosting(WeightedSumRule):
     """Cross-validated mixture weights with DP fusion (parameters: ``p_hat`` in (0.5, 1], ``shares`` =
-    random | equal, ``secrets_from`` = seed | entropy, ``use_train_loss``)."""
+    equal | random, ``secrets_from`` = entropy | seed, ``weighting`` = eq4.2 | inverse-loss,
+    ``use_train_loss``)."""
 
     name = "fedboosting"
 
-    def __init__(self, p_hat: float = 0.9, shares: str = "random", secrets_from: str = "seed",
-                 use_train_loss: bool = True):
+    def __init__(self, p_hat: float = 0.9, shares: str = "equal", secrets_from: str = "entropy",
+                 weighting: str = "eq4.2", use_train_loss: bool = True):
         if not 0.5 < p_hat <= 1.0:
             raise ValueError(f"p_hat must be in (0.5, 1] (the model's own share of its fused copy must be the "
                              f"largest), got {p_hat}")
@@ -111,7 +150,10 @@ class FedBoosting(WeightedSumRule):
             raise ValueError(f"shares must be one of {list(SHARES)}, got {shares!r}")
         if secrets_from not in SECRET_SOURCES:
             raise ValueError(f"secrets_from must be one of {list(SECRET_SOURCES)}, got {secrets_from!r}")
+        if weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting must be one of {list(WEIGHTINGS)}, got {weighting!r}")
         self.p_hat, self.shares, self.secrets_from = float(p_hat), shares, secrets_from
+        self.weighting = weighting
         self.use_train_loss = bool(use_train_loss)
         self._metrics: dict[str, float] = {}
         self.last: dict[str, Any] = {}  # the last round's T, V, fusion matrix and weights (tests, docs)
@@ -126,6 +168,12 @@ class FedBoosting(WeightedSumRule):
         # derive_seed keeps 32 bits of each part: four parts carry 128 bits of server-only entropy
         self.seed_parts = ((int(cfg["seed"]),) if self.secrets_from == "seed"
                            else tuple(int.from_bytes(os.urandom(4), "little") for _ in range(4)))
+
+    def state(self) -> dict[str, Any]:  # a resumed run keeps drawing the shares from the same secrets
+        return {"seed_parts": [int(x) for x in self.seed_parts]}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        self.seed_parts = tuple(int(x) for x in state["seed_parts"])
 
     def configure_train(self, server_round: int, config: dict[str, Any]) -> None:
         config[REPORT_TRAIN_LOSS] = True
@@ -191,7 +239,7 @@ class FedBoosting(WeightedSumRule):
             validators.append(r.partition)
         v = np.array(columns, dtype=np.float64).T if columns else np.zeros((n, 0))
         if validators:
-            p = mixture_weights(t, v, self.use_train_loss)
+            p = WEIGHTINGS[self.weighting](t, v, self.use_train_loss)
         else:  # nobody could validate: FedAvg's example weights
             ex = np.array([max(r.num_examples, 0) for r in replies], dtype=np.float64)
             p = ex / ex.sum() if ex.sum() > 0 else np.full(n, 1.0 / n)
@@ -210,8 +258,10 @@ class FedBoosting(WeightedSumRule):
 
     @staticmethod
     def _weight_metrics(parts: Sequence[int], p: np.ndarray) -> dict[str, float]:
-        out = {"weights_min": float(p.min()), "weights_max": float(p.max()),
-               "weights_entropy": float(-(p * np.log(np.clip(p, 1e-300, None))).sum())}
+        entropy = float(-(p * np.log(np.clip(p, 1e-300, None))).sum())
+        out = {"weights_min": float(p.min()), "weights_max": float(p.max()), "weights_entropy": entropy,
+               # 1: uniform weights (FedAvg's on equal-sized clients), 0: one client takes everything
+               "weights_entropy_norm": entropy / math.log(len(p)) if len(p) > 1 else 1.0}
         if len(parts) <= MAX_WEIGHT_COLUMNS:
             out.update({f"weight.{q}": float(x) for q, x in zip(parts, p)})
         return out

@@ -58,14 +58,6 @@ _SALT = 0x5EC2E7  # separates the secrets' stream from every other stream derive
 CLIENT_DEFENSE = "lossless-client"
 
 
-def _pair(key: str, value: Any) -> tuple[float, float]:
-    ok = (isinstance(value, (list, tuple)) and len(value) == 2
-          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
-    if not ok or not 0 < value[0] <= value[1]:
-        raise ValueError(f"{key} must be a pair [low, high] of finite numbers with 0 < low <= high, got {value!r}")
-    return float(value[0]), float(value[1])
-
-
 def loss_name(train_loss: str) -> str:
     """``train.loss`` spelled as :mod:`fedsim.lossless` spells it."""
     return {"cross-entropy": "cross_entropy", "mse": "mse"}[train_loss]
@@ -125,8 +117,8 @@ class LosslessPerturbation(ServerTransform):
         if isinstance(probe, bool) or not isinstance(probe, int) or probe < 0:
             raise ValueError(f"probe must be an integer >= 0, got {probe!r}")
         self.groups, self.mode, self.secrets_from, self.probe = groups, mode, secrets_from, probe
-        self.ranges = {"multiplicative": _pair("multiplicative", multiplicative), "gamma": _pair("gamma", gamma),
-                       "additive": _pair("additive", additive)}
+        self.ranges = {k: ll.check_range(k, v) for k, v in
+                       (("multiplicative", multiplicative), ("gamma", gamma), ("additive", additive))}
         self._true: list[ll.Layer] | None = None  # the true global model, float64
         self._returned: list[np.ndarray] | None = None  # what after_aggregate gave the engine
         self._round: dict[str, Any] = {}

@@ -39,11 +39,11 @@ from fedsim.crypto.paillier import (
     MODE_PACKED,
     MODE_PER_ELEMENT,
     check_key_bits,
-    combine,
+    combine_read,
     key_fingerprint,
     public_key_from_bytes,
     public_key_to_bytes,
-    verify,
+    read_ciphertexts,
 )
 from fedsim.crypto.quantize import MAX_RANGE_EXPONENT, MIN_RANGE_EXPONENT, Quantizer, integer_weights
 from fedsim.keydelivery import SealedKeyServer
@@ -55,7 +55,9 @@ from fedsim.protocol import (
     CLIP,
     CLIPPED,
     CONFIG,
+    DECRYPT_SECONDS,
     ENCRYPT_SECONDS,
+    HELD_ROUND,
     INLINE_OBFUSCATORS,
     PAYLOAD,
     PAYLOADS,
@@ -66,12 +68,14 @@ from fedsim.protocol import (
     arrays_record,
 )
 from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WEIGHTED_SUM, ChannelError, ModelSpec, ServerChannel
+from fedsim.seams import WEIGHTED_SUM, ChannelError, InvalidReply, ModelSpec, ServerChannel
 
 log = logging.getLogger("fedsim")
 ENCRYPT = ("update", "model")
+BITS = {"update": 12, "model": 16}  # channel.bits when unset (docs/paillier.md: "Quantization and its error bound")
 
 _STATE_MAGIC = b"FSPS1"
+_READ = "paillier.read"  # Reply.extra: the payload's header and ciphertexts, as check_reply read them
 
 
 class EncryptedModel:
@@ -92,17 +96,18 @@ class EncryptedModel:
 @CHANNELS.register
 class PaillierChannel(SealedKeyServer, ServerChannel):
     """Paillier-encrypted weighted sums (parameters: ``key_bits``, ``encrypt`` = update | model, ``bits`` and
-    ``clip`` of the quantizer (``clip`` unset: the updates' range every round, or 4.0 for models),
-    ``overflow`` = clip | raise, ``precision`` = P of the integer weights, ``packed``, ``slots``; see
-    docs/paillier.md for the error bound and the overflow rule)."""
+    ``clip`` of the quantizer (``bits`` unset: 12 for updates, 16 for models; ``clip`` unset: the updates'
+    range every round, or 4.0 for models), ``overflow`` = clip | raise, ``precision`` = P of the integer
+    weights, ``packed``, ``slots``, ``advance`` (send each round's aggregate ahead to the next round's
+    clients, :meth:`after_round`); see docs/paillier.md for the error bound and the overflow rule)."""
 
     name = "paillier"
     provides = frozenset({WEIGHTED_SUM})
     key_name = "the Paillier key pair"
 
-    def __init__(self, key_bits: int = DEFAULT_KEY_BITS, encrypt: str = "update", bits: int = 16,
+    def __init__(self, key_bits: int = DEFAULT_KEY_BITS, encrypt: str = "update", bits: int | None = None,
                  clip: float | None = None, overflow: str = "clip", precision: int = 4096, packed: bool = True,
-                 slots: int | None = None):
+                 slots: int | None = None, advance: bool = True):
         check_key_bits(key_bits)
         if encrypt not in ENCRYPT:
             raise ValueError(f"channel.encrypt must be one of {list(ENCRYPT)}, got {encrypt!r}")
@@ -111,8 +116,11 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
         self.encrypt = encrypt
         self.auto_clip = clip is None and encrypt == "update"
         fixed = 4.0 if clip is None else clip  # the auto clip changes every round: 4.0 only fills the layout
+        if bits is None:  # updates at their own range: 12 bits; whole models over a fixed clip: 16
+            bits = BITS[encrypt]
         self.quantizer = Quantizer(bits=bits, clip=fixed, overflow=overflow)  # ValueErrors name channel.*
         self.key_bits, self.precision, self.packed, self.slots = int(key_bits), int(precision), bool(packed), slots
+        self.advance = bool(advance)
         self.public_key = None
         self.x0: list[np.ndarray] | None = None
         self.holder: dict[int, int] = {}  # partition -> the round whose global model it holds (update encryption)
@@ -239,27 +247,67 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
                 out.append(r)
         return out
 
-    def _train_records(self, partition: int) -> dict[str, Any]:
+    def _train_records(self, partition: int, chain: tuple[tuple[int, bytes], ...] | None = None) -> dict[str, Any]:
+        """What ``partition`` needs to rebuild the newest model of ``chain`` (default: this round's): the
+        updates after the round whose model it holds (none when it holds the newest), or the initial model
+        and every update."""
+        chain = self._chain if chain is None else chain
         held = self.holder.get(partition, 0)
-        rounds = [r for r, _ in self._chain]
+        rounds = [r for r, _ in chain]
         if held >= 1 and held in rounds:
-            chain = [(r, p) for r, p in self._chain if r > held]
+            later = [(r, p) for r, p in chain if r > held]
             return {CHANNEL: self.channel_record(**{PUBLIC_KEY: public_key_to_bytes(self.public_key),
-                                                    PAYLOADS: [p for _, p in chain], ROUNDS: [r for r, _ in chain],
+                                                    PAYLOADS: [p for _, p in later], ROUNDS: [r for r, _ in later],
                                                     BASE: held})}
         return {ARRAYS: arrays_record(self.names, self.x0),
                 CHANNEL: self.channel_record(**{PUBLIC_KEY: public_key_to_bytes(self.public_key),
-                                                PAYLOADS: [p for _, p in self._chain], ROUNDS: rounds, BASE: 0})}
+                                                PAYLOADS: [p for _, p in chain], ROUNDS: rounds, BASE: 0})}
+
+    def after_round(self, ctx: RoundContext, state: Any) -> None:
+        """Send the new aggregate update ahead (``CHANNEL_SETUP`` stage ``advance``, update encryption, every
+        round but the last): the next round's clients, and the first client of this round (the server's
+        evaluator), decrypt it now, all at once, and keep the new global model, so that neither the
+        evaluation nor the next round's training waits for a decryption (on a simulation's actors, or in a
+        deployment, where every client decrypts in parallel, a round holds one decryption instead of two:
+        the evaluator's, then the next round's clients'). A client that does not answer gets the update
+        with its next train message, as before."""
+        if self.encrypt != "update" or not self.advance or not isinstance(state, EncryptedModel):
+            return
+        if ctx.round >= int(ctx.engine.cfg["federation"]["rounds"]):
+            return
+        t0 = time.perf_counter()
+        targets = set(ctx.engine.sample(ctx.round + 1)) | set(ctx.record.contributors[:1])
+        chain = (*state.chain, (state.round, state.head))
+        own = {p: self._train_records(p, chain) for p in targets}
+        msg = RecordDict({CONFIG: self.stage_config("advance", ctx.round)})
+        decrypt: list[float] = []
+
+        def check(reply: Reply) -> None:
+            rec = reply.record(CHANNEL) if reply.has(CHANNEL) else {}
+            held = rec.get(HELD_ROUND) if hasattr(rec, "get") else None
+            if held != state.round or isinstance(held, bool):
+                raise InvalidReply(f"the reply says it holds the global model of round {str(held)[:40]}, "
+                                   f"not of round {state.round}")
+            sec = rec.get(DECRYPT_SECONDS)
+            if isinstance(sec, (int, float)) and not isinstance(sec, bool) and math.isfinite(sec) and sec >= 0:
+                decrypt.append(float(sec))
+
+        for r in ctx.send(sorted(targets), CHANNEL_SETUP, msg, own, "advance", check=check):
+            self.holder[r.partition] = state.round
+        self._metrics["advance_seconds"] = time.perf_counter() - t0
+        if decrypt:
+            self._metrics["decrypt_seconds_max"] = max(decrypt)
 
     # ---- what comes back --------------------------------------------------------------------------------------
-    def check_payload(self, payload: bytes) -> None:
+    def check_payload(self, payload: bytes) -> tuple[Any, list[int]]:
         """A client's payload against the channel's settings, with the public key alone: ``verify`` (size,
         magic, version, key fingerprint and width, layout, count, digest, every ciphertext in range), then
         every header field against what this channel expects of a client's payload this round (mode, value
         and slot bits, slots, key bits, the round's clip, ``max_total_weight``, ``total_weight = 1``, the
-        model's value count). Raises :class:`ChannelError` naming the field."""
+        model's value count). Returns the header and the ciphertexts; raises :class:`ChannelError` naming the
+        field."""
         try:
-            h = verify(self.public_key, payload, num_values=self.num_values)
+            h, ciphertexts = read_ciphertexts(self.public_key, payload, num_values=self.num_values)
         except IntegrityError as exc:
             raise ChannelError(f"payload rejected ({exc.field}): {exc}") from None
         for name, want in {**self.expected, "clip": self._clip}.items():
@@ -267,6 +315,7 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
             if got != want:
                 raise ChannelError(f"payload rejected ({name}): the payload has {name} = {got!r}, the channel "
                                    f"expects {want!r} this round")
+        return h, ciphertexts
 
     def check_reply(self, reply: Reply, model: ModelSpec) -> None:
         """The per-reply check (``RoundEngine.check_reply`` calls it for every train reply; see
@@ -278,7 +327,7 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
         payload = rec[PAYLOAD]
         if not isinstance(payload, bytes):
             raise ChannelError(f"payload rejected (type): {type(payload).__name__}, not bytes")
-        self.check_payload(payload)
+        reply.extra[_READ] = self.check_payload(payload)  # checked once here, combined as often as the rule asks
         reply.extra[PAYLOAD] = payload
         for k in (ENCRYPT_SECONDS, CLIPPED, INLINE_OBFUSCATORS):
             v = rec.get(k)
@@ -290,7 +339,7 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
     def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> EncryptedModel:
         t0 = time.perf_counter()
         w = self.integer_weights(weights)
-        payload = combine(self.public_key, [r.extra[PAYLOAD] for r in replies], w)
+        payload = combine_read(self.public_key, [r.extra[_READ] for r in replies], w)
         enc = [r.extra.get(ENCRYPT_SECONDS) for r in replies if ENCRYPT_SECONDS in r.extra]
         total = float(sum(weights))
         p = [float(x) / total for x in weights]
@@ -309,11 +358,15 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
         return EncryptedModel(self.encrypt, payload, self._round, self._chain if self.encrypt == "update" else ())
 
     def integer_weights(self, weights: Sequence[float]) -> list[int]:
-        """The rule's weights as integers: as they are when they already are integers summing to at most
-        ``precision`` (example counts usually are: no rounding error), else ``round(p_i * precision)``
-        (eq. 4.4)."""
-        if all(float(x).is_integer() and x >= 0 for x in weights) and 0 < sum(weights) <= self.precision:
-            return [int(x) for x in weights]
+        """The rule's weights as integers: when they already are integers, divided by their greatest common
+        divisor (the same mean; equal example counts become weights of 1, and a weight of 1 costs the
+        combination no exponentiation) if they then sum to at most ``precision`` (no rounding error), else
+        ``round(p_i * precision)`` (eq. 4.4)."""
+        if all(float(x).is_integer() and x >= 0 for x in weights) and sum(weights) > 0:
+            ints = [int(x) for x in weights]
+            g = math.gcd(*ints)  # the same mean with smaller weights: exact, and cheaper to combine
+            if sum(ints) // g <= self.precision:
+                return [w // g for w in ints]
         total = float(sum(weights))
         return integer_weights([float(x) / total for x in weights], self.precision)
 

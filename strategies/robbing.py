@@ -20,7 +20,13 @@ import torch
 
 from fedsim.components import TRANSFORMS
 from fedsim.factories import dataset_for, model_for
-from fedsim.models.imprint import MEASUREMENTS, imprint_model, measurement_vector, quantile_bins
+from fedsim.models.imprint import (
+    IMPRINT_TRANSFORM,
+    MEASUREMENTS,
+    imprint_model,
+    measurement_vector,
+    quantile_bins,
+)
 from fedsim.seams import ServerTransform
 from fedsim.training import derive_seed
 
@@ -32,7 +38,7 @@ class RobbingImprint(ServerTransform):
     """Sets the imprint block's weights before every send (parameters: the ``measurement``, ``scale`` and
     ``gain`` of :func:`fedsim.models.imprint.imprint_model`)."""
 
-    name = "robbing-imprint"
+    name = IMPRINT_TRANSFORM
 
     def __init__(self, measurement: str = "brightness", scale: float = 1.0, gain: float = 1e-3):
         if measurement not in MEASUREMENTS:

@@ -335,7 +335,8 @@ def test_victims_of_a_round_are_attacked_as_one_stack(demo_run, tmp_path):
 def test_a_stop_ends_the_attacks_of_a_server_running_in_another_thread(small_cfg, tmp_path, monkeypatch):
     """On Ray the server loop runs in a thread of its own and the SIGINT handler only requests the stop:
     the curious server's attack (here a stack of two victims that would run for minutes) stops at its
-    next iteration, and the run ends interrupted with its summary written, within seconds."""
+    next iteration (counted in iterations: no fixed time, robust to a loaded machine), and the run ends
+    interrupted with its summary written."""
     import threading
     import time
 
@@ -350,13 +351,17 @@ def test_a_stop_ends_the_attacks_of_a_server_running_in_another_thread(small_cfg
                      "params": {"idlg": {"iterations": 10**6, "patience": None, "threshold": None}}}
     attacking = threading.Event()
     tick = progress.tick
+    stop = StopSignal()
+    after: list[int] = []  # iterations ticked after the stop was requested
 
-    def spy(*a, **k):
+    def spy(done, *a, **k):
+        if stop.requested:
+            after.append(done)
         attacking.set()
-        tick(*a, **k)
+        tick(done, *a, **k)
 
     monkeypatch.setattr(progress, "tick", spy)
-    stop, out, result = StopSignal(), tmp_path / "run", {}
+    out, result = tmp_path / "run", {}
 
     def server():
         try:
@@ -367,12 +372,12 @@ def test_a_stop_ends_the_attacks_of_a_server_running_in_another_thread(small_cfg
 
     thread = threading.Thread(target=server, daemon=True)  # a regression must not hang the test session
     thread.start()
-    assert attacking.wait(60)
+    assert attacking.wait(600)
     t0 = time.perf_counter()
     stop.request("SIGINT")
-    thread.join(30)
-    took = time.perf_counter() - t0
+    thread.join(600)  # a hang guard only (measured 1.7 s on a loaded machine: one iteration, summary, report)
+    print(f"stopped after {time.perf_counter() - t0:.1f} s")
     assert not thread.is_alive() and isinstance(result.get("exc"), RunInterrupted), result
-    assert took < 5, took  # measured 1.7 s on a loaded machine (one iteration, then the summary and report)
+    assert len(after) <= 1, after  # the iteration running when the stop came, at most
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["completed_round"] == 0

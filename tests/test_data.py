@@ -238,3 +238,114 @@ def test_faces_shapes():
 def test_unknown_dataset_names_key():
     with pytest.raises(ValueError, match="data.dataset"):
         load_dataset("nope")
+
+
+# ---- feature (style) shift: data.styles
+def test_styles_deal_the_training_images_and_draw_the_test_set_in_every_style():
+    from fedsim.data.styles import STYLES
+
+    base = load_dataset("fmnist-small")
+    ds = load_dataset("fmnist-small", styles=("plain", "inverted"))
+    assert ds.source_names == ("plain", "inverted") and ds.sources.bincount().tolist() == [1000, 1000]
+    # each training image is drawn in its source's style: plain as it is, inverted as 1 - x
+    plain, inv = ds.sources == 0, ds.sources == 1
+    torch.testing.assert_close(ds.x_train[plain], base.x_train[plain])
+    torch.testing.assert_close(ds.x_train[inv], 1.0 - base.x_train[inv])
+    assert torch.equal(ds.y_train, base.y_train)  # the labels (and so the task) do not change
+    # the test set holds every test image in every style
+    n = len(base.y_test)
+    assert len(ds.y_test) == 2 * n and ds.test_sources.bincount().tolist() == [n, n]
+    torch.testing.assert_close(ds.x_test[n:], 1.0 - base.x_test) and torch.testing.assert_close(ds.x_test[:n], base.x_test)
+    assert torch.equal(ds.y_test, base.y_test.repeat(2))
+    # every style keeps the images in [0, 1] and changes them (but plain)
+    x = base.x_test[:8]
+    for name, (f, _) in STYLES.items():
+        y = f(x)
+        assert y.shape == x.shape and float(y.min()) >= 0 and float(y.max()) <= 1, name
+        assert (name == "plain") == torch.equal(y, x), name
+    # dealt the same way in every process (a fixed permutation): the client's data is reproducible
+    load_dataset.cache_clear()
+    assert torch.equal(load_dataset("fmnist-small", styles=("plain", "inverted")).sources, ds.sources)
+    with pytest.raises(ValueError, match="unknown style"):
+        load_dataset("fmnist-small", styles=("plain", "sepia"))
+    with pytest.raises(ValueError, match="needs an image dataset"):
+        load_dataset("breast-cancer", styles=("plain", "inverted"))
+
+
+def test_styles_give_one_style_per_client_and_the_global_model_is_scored_per_style(small_cfg):
+    """``partition = "natural"`` with styles: each client holds one style; the server reports the accuracy on
+    each style's test images (``test.<style>_accuracy``), whose mean is the accuracy (equal halves)."""
+    from fedsim.app.client import client_app
+    from fedsim.app.server import Server
+    from fedsim.config import ConfigError
+    from fedsim.factories import client_data, dataset_for, partitions_for
+    from fedsim.inprocess import InProcessGrid
+    from fedsim.protocol import num_nodes
+
+    cfg = small_cfg('data.styles=["plain", "inverted"]', 'data.partition="natural"', "federation.num_clients=2",
+                    "federation.rounds=1", "train.local_steps=20")
+    ds = dataset_for(cfg)
+    for pid, style in enumerate(ds.source_names):
+        assert set(ds.sources[partitions_for(cfg)[pid]].tolist()) == {pid}, style
+    assert float(client_data(cfg, 1)[0].mean()) > 0.5 > float(client_data(cfg, 0)[0].mean())  # inverted vs plain
+    server = Server(cfg, None, [], progress=False)
+    server.run(InProcessGrid(client_app, num_nodes(2, cfg["simulation"]["clients_per_node"])))
+    row = server.rows[-1]
+    assert row["evaluated_by"] == "server"
+    assert row["accuracy"] == pytest.approx((row["test.plain_accuracy"] + row["test.inverted_accuracy"]) / 2)
+    assert row["test.plain_accuracy"] != row["test.inverted_accuracy"]
+    with pytest.raises(ConfigError, match="unknown style"):
+        small_cfg('data.styles=["plain", "sepia"]')
+    with pytest.raises(ConfigError, match="natural"):
+        small_cfg('data.partition="natural"')
+
+
+@pytest.mark.filterwarnings("ignore:.*key.*:UserWarning")
+def test_a_client_that_evaluates_for_the_server_reports_the_accuracy_per_source(small_cfg):
+    """Under Paillier the server cannot read the model: the evaluating client reports the accuracy on each
+    test source too (synthetic-2d's two sources), and the server logs them by name."""
+    import warnings
+
+    from fedsim.app.client import client_app
+    from fedsim.app.server import Server
+    from fedsim.inprocess import InProcessGrid
+    from fedsim.protocol import num_nodes
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = small_cfg('data.dataset="synthetic-2d"', 'data.partition="natural"', 'model.name="mlp"',
+                        "model.hidden=[8]", 'model.activation="sigmoid"', "federation.num_clients=2",
+                        "federation.rounds=1", "train.local_steps=30", "train.lr=0.1",
+                        'channel.name="paillier"', "channel.key_bits=512")
+    server = Server(cfg, None, [], progress=False)
+    server.run(InProcessGrid(client_app, num_nodes(2, cfg["simulation"]["clients_per_node"])))
+    row = server.rows[-1]
+    assert row["evaluated_by"].startswith("client ")
+    assert row["accuracy"] == pytest.approx((row["test.wide_accuracy"] + row["test.tight_accuracy"]) / 2)
+
+
+def test_a_malformed_per_source_accuracy_is_an_invalid_reply(small_cfg):
+    """The evaluating client's per-source accuracies are untrusted input: checked with the rest of its reply."""
+    from flwr.app import MetricRecord
+
+    from fedsim.app.server import Server
+    from fedsim.protocol import EVAL_ACCURACY, EVAL_EXAMPLES, EVAL_LOSS, EVAL_SOURCE_ACCURACY, METRICS
+    from fedsim.seams import InvalidReply
+
+    class Evaluation:  # a reply with a metrics record whose values are ``metrics`` (as Reply reads them)
+        def __init__(self, metrics):
+            self.metrics = metrics
+
+        def has(self, name):
+            return name == METRICS
+
+        def record(self, name):
+            return MetricRecord({})
+
+    engine = Server(small_cfg(), None, [], progress=False).engine
+    ok = {EVAL_LOSS: 1.0, EVAL_ACCURACY: 0.5, EVAL_EXAMPLES: 10}
+    engine.check_evaluation(Evaluation(ok))
+    engine.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: [0.25, 1.0]}))
+    for bad in ([0.5, 1.5], [float("nan")], "0.5", [True], [0.5] * 65):
+        with pytest.raises(InvalidReply, match=EVAL_SOURCE_ACCURACY):
+            engine.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: bad}))

@@ -1,6 +1,7 @@
 """Beyond one process: Flower's deployment engine (SuperLink and SuperNodes as separate processes on
-loopback, fedsim's ServerApp and ClientApp unchanged), a SuperNode killed mid-run, lost replies, and
-``simulation.ray_address`` against a Ray head started by the test (docs/deployment.md).
+loopback over TLS with SuperNode authentication, fedsim's ServerApp and ClientApp unchanged), an
+unregistered SuperNode refused, a SuperNode killed mid-run, lost replies, and ``simulation.ray_address``
+against a Ray head started by the test (docs/deployment.md).
 
 Every process a test starts is found again by a marker in its command line (the test's temporary
 folder) and stopped in a ``finally``; nothing else on the machine is touched.
@@ -64,48 +65,106 @@ def _stop(marker: str, sig: int = signal.SIGTERM, wait: float = 20.0) -> None:
         time.sleep(0.2)
 
 
-def _wait_for(pred, timeout: float, what: str) -> None:
+def _wait_for(pred, timeout: float, what) -> None:
+    """Wait until ``pred()``; ``what`` (a string, or a function giving one when the wait fails) says for what."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         if pred():
             return
         time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
+
+
+def _credentials(tmp_path: Path, nodes: list[str]) -> dict[str, Path]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("deploy_credentials", ROOT / "scripts" / "deploy_credentials.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.make_credentials(tmp_path / "credentials", ("127.0.0.1",), nodes, days=1)
+
+
+def _speaks_tls_only(port: int, ca: Path) -> None:
+    """The port answers a TLS handshake with a certificate for 127.0.0.1 chained to our CA; a client that
+    does not trust that CA, and a plaintext HTTP request, get nothing."""
+    import http.client
+    import ssl
+
+    ctx = ssl.create_default_context(cafile=str(ca))
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as raw:
+        with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            assert tls.version() in ("TLSv1.2", "TLSv1.3")
+            assert ("IP Address", "127.0.0.1") in tls.getpeercert()["subjectAltName"]
+    with pytest.raises(ssl.SSLCertVerificationError):
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as raw:
+            ssl.create_default_context().wrap_socket(raw, server_hostname="127.0.0.1")
+    plain = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        with pytest.raises((http.client.HTTPException, ConnectionError, OSError)):
+            plain.request("GET", "/")
+            plain.getresponse().read()
+    finally:
+        plain.close()
 
 
 @pytest.mark.ray
-def test_deployment_engine_run_survives_a_killed_supernode(tmp_path):
-    """SuperLink + 3 SuperNodes on loopback, `flwr run` submits fedsim: round 1 has all 3 replies; then one
-    SuperNode is killed, and the run still completes its 3 rounds with that node's failures recorded."""
+def test_secure_deployment_refuses_an_unregistered_node_and_survives_a_killed_one(tmp_path):
+    """Flower's deployment engine as docs/deployment.md sets it up: a SuperLink over TLS (certificates made
+    by scripts/deploy_credentials.py with `cryptography`) with SuperNode authentication
+    (`--enable-supernode-auth`; the public keys of three SuperNodes registered with `flwr supernode
+    register`), on loopback. The port speaks TLS only; a fourth SuperNode whose key was never registered is
+    refused (it exits with Flower's connection error code 305, and the SuperLink logs the failed activation);
+    `flwr run` submits fedsim over TLS: round 1 has the 3 registered nodes' replies, then one of them is
+    killed, and the run still completes its 3 rounds with that node's failures recorded."""
     for tool in ("flwr", "flower-superlink", "flower-supernode"):
         if not (BIN / tool).exists():
             pytest.fail(f"{tool} is not installed next to this Python")
     home, out, logs = tmp_path / "flwr-home", tmp_path / "run", tmp_path / "logs"
     home.mkdir()
     logs.mkdir()
+    names = ["node0", "node1", "node2", "intruder"]
+    creds = _credentials(tmp_path, names)
     port = _free_port()
     (home / "config.toml").write_text(f'[superlink]\ndefault = "deploy"\n\n[superlink.deploy]\n'
-                                      f'address = "127.0.0.1:{port}"\ninsecure = true\n')
+                                      f'address = "127.0.0.1:{port}"\nroot-certificates = "{creds["ca"]}"\n')
     env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
                OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
-    marker = str(tmp_path)  # every process of this test carries it (log files, FLWR_HOME)
+    marker = str(tmp_path)  # every process of this test carries it (log files, FLWR_HOME, key paths)
     procs = []
+
+    def supernode(name: str, i: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [str(BIN / "flower-supernode"), "--root-certificates", str(creds["ca"]),
+             "--auth-supernode-private-key", str(creds[f"{name}.key"]), "--superlink", f"127.0.0.1:{port}",
+             "--host", "127.0.0.1", "--port", str(_free_port()),
+             "--node-config", f"partition-id={i} num-partitions=3 marker='{marker}'"],
+            env=env, stdout=open(logs / f"{name}.log", "w"), stderr=subprocess.STDOUT)
+
     try:
         procs.append(subprocess.Popen(
-            [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
+            [str(BIN / "flower-superlink"), "--ssl-ca-certfile", str(creds["ca"]),
+             "--ssl-certfile", str(creds["server_cert"]), "--ssl-keyfile", str(creds["server_key"]),
+             "--enable-supernode-auth", "--host", "127.0.0.1", "--port", str(port),
              "--disable-runtime-dependency-installation", "--database", str(tmp_path / "state.db")],
             env=env, stdout=open(logs / "superlink.log", "w"), stderr=subprocess.STDOUT))
-        _wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 60, "the SuperLink's port")
-        nodes = []
-        for i in range(3):
-            nodes.append(subprocess.Popen(
-                [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
-                 "--host", "127.0.0.1", "--port", str(_free_port()),
-                 "--node-config", f"partition-id={i} num-partitions=3 marker='{marker}'"],
-                env=env, stdout=open(logs / f"supernode{i}.log", "w"), stderr=subprocess.STDOUT))
-        procs += nodes
+        # waits, not limits: generous, so that a loaded machine does not fail them
+        _wait_for(lambda: socket.socket().connect_ex(("127.0.0.1", port)) == 0, 300, "the SuperLink's port")
+        _speaks_tls_only(port, creds["ca"])
+        register = [subprocess.Popen([str(BIN / "flwr"), "supernode", "register", str(creds[f"{n}.pub"]), "deploy"],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                    for n in names[:3]]
+        for r in register:
+            said = r.communicate(timeout=300)[0]
+            assert r.returncode == 0 and "registered successfully" in said, said
+        intruder = supernode("intruder", 0)
+        nodes = [supernode(n, i) for i, n in enumerate(names[:3])]
+        procs += [intruder, *nodes]
+        said = (logs / "intruder.log").read_text() if intruder.wait(timeout=300) is not None else ""
+        assert intruder.returncode != 0 and "Exit Code: 305" in said and "Failed to activate SuperNode" in said, said
+        assert "No SuperNode found with the given public key" in (logs / "superlink.log").read_text()
+
         overrides = ("federation.rounds=3;federation.num_clients=3;output.observers=[];"
-                     "federation.round_timeout=30;train.local_epochs=1")
+                     "federation.round_timeout=300;train.local_epochs=1")
         run = subprocess.Popen([str(BIN / "flwr"), "run", ".", "deploy", "--run-config",
                                 f'overrides="{overrides}" out="{out}"', "--stream"],
                                cwd=ROOT, env=env, stdout=open(logs / "run.log", "w"), stderr=subprocess.STDOUT)
@@ -115,10 +174,10 @@ def test_deployment_engine_run_survives_a_killed_supernode(tmp_path):
             p = out / "metrics.jsonl"
             return p.exists() and any(row["round"] == r for row in read_jsonl(p, skip_bad=True))
 
-        _wait_for(lambda: round_done(1), 180, "round 1 (log: " + (logs / "run.log").read_text()[-1500:] + ")")
+        _wait_for(lambda: round_done(1), 900, lambda: "round 1 (log: " + (logs / "run.log").read_text()[-1500:] + ")")
         nodes[2].send_signal(signal.SIGKILL)  # the node serving partition 2 dies mid-run
-        _wait_for(lambda: (out / "summary.json").exists(), 240, "the end of the run")
-        assert run.wait(timeout=60) == 0, (logs / "run.log").read_text()[-3000:]
+        _wait_for(lambda: (out / "summary.json").exists(), 900, "the end of the run")
+        assert run.wait(timeout=300) == 0, (logs / "run.log").read_text()[-3000:]
         rows = read_jsonl(out / "metrics.jsonl")
         assert [r["round"] for r in rows] == [0, 1, 2, 3]
         assert [r["replies"] for r in rows[1:]] == [3, 2, 2]  # the dead node's share is missing, not fatal
@@ -138,7 +197,7 @@ def test_deployment_engine_run_survives_a_killed_supernode(tmp_path):
                 p.send_signal(signal.SIGTERM)
         for p in procs:
             try:
-                p.wait(timeout=20)
+                p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 p.kill()
         _stop(marker)  # the SuperExec / app processes the SuperLink and SuperNodes started
@@ -187,9 +246,16 @@ def test_ray_address_joins_a_head_started_by_the_test(tmp_path):
     ray_tmp = Path("/tmp") / f"fs-ray-{os.getpid()}-{port}"  # Ray's socket paths must stay short
     env = dict(os.environ, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
     try:
-        started = subprocess.run([str(ray), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                                  "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={ray_tmp}",
-                                  "--disable-usage-stats"], env=env, capture_output=True, text=True, timeout=120)
+        # `ray start` gives up after Ray's own 30 s wait for its raylet, which a loaded machine can exceed:
+        # up to three tries, each after stopping what the last one left (a hang guard, not a time limit)
+        for _ in range(3):
+            started = subprocess.run([str(ray), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                                      "--num-cpus=2", "--include-dashboard=false", f"--temp-dir={ray_tmp}",
+                                      "--disable-usage-stats"], env=env, capture_output=True, text=True,
+                                     timeout=600)
+            if started.returncode == 0:
+                break
+            _stop(str(ray_tmp), signal.SIGTERM, 30)
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         sets = ("federation.num_clients=3", "federation.rounds=2", "output.observers=[]")
         cfg = make_small_cfg(*sets, "simulation.backend='ray'", f"simulation.ray_address='127.0.0.1:{port}'",

@@ -539,8 +539,10 @@ def test_attack_command_shows_progress_while_it_runs_and_stops_on_ctrl_c(tmp_pat
     """`fedsim attack` in a subprocess: iteration lines (with the gradient distance) arrive on stderr
     while the process is still running, not only at the end; Ctrl-C (SIGINT) in the middle of the attack
     ends it at once with exit 130, one line and no traceback (the attack would otherwise run for minutes).
-    Running to the end is checked in-process (tests/test_curious.py)."""
-    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "FEDSIM_PROGRESS_INTERVAL": "0.2"}
+    "At once" is counted in iterations (a line per iteration: none after the process's own notice of the
+    signal), not in seconds, so a loaded machine does not fail it. Running to the end is checked
+    in-process (tests/test_curious.py)."""
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "FEDSIM_PROGRESS_INTERVAL": "0"}
     proc = subprocess.Popen([sys.executable, "-m", "fedsim", "attack", "--attack", "idlg", "--out",
                              str(tmp_path / "a"), "--set", "attack.params.idlg.iterations=100000",
                              "--set", "attack.params.idlg.patience=100000", "--set", "attack.params.idlg.threshold=0.0"],
@@ -555,18 +557,20 @@ def test_attack_command_shows_progress_while_it_runs_and_stops_on_ctrl_c(tmp_pat
                     break
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - t0
+        _, err = proc.communicate(timeout=600)  # a hang guard (measured 1.6 s; 30 s on a 10x loaded machine)
+        print(f"stopped {time.monotonic() - t0:.1f} s after the signal")
     finally:
         if proc.poll() is None:
             proc.kill()
     lines += err.splitlines(keepends=True)
-    assert live == 3, "".join(lines)  # measured: a line every 0.2 s from the first iteration on
+    assert live == 3, "".join(lines)  # iteration lines arrive while the attack runs
     assert any("round   1/1" in x for x in lines)
     assert proc.returncode == 130, "".join(lines[-20:])
     assert "Traceback" not in err and "fedsim: interrupted by SIGINT" in err, err
     assert "stopped after" in err  # the attack's progress says it was stopped, not done
-    assert took < 10, took  # measured 1.6 s on a loaded 2-core machine (most of it: summary, report, exit)
+    noticed = next(i for i, x in enumerate(lines) if "SIGINT: stopping the attack" in x)
+    later = [x for x in lines[noticed:] if "attack idlg: client 0, round 1  it " in x and "stopped after" not in x]
+    assert later == [], later  # no iteration after the process saw the signal
     assert json.loads((tmp_path / "a" / "summary.json").read_text())["status"] == "interrupted"
 
 
@@ -587,7 +591,7 @@ def test_quiet_and_default_progress(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("verbose", [False, True], ids=["default", "verbose"])
-def test_verbose_lets_flower_and_ray_logs_through(tmp_path, monkeypatch, caplog, verbose):
+def test_verbose_lets_flower_and_ray_logs_through(tmp_path, monkeypatch, caplog, capsys, verbose):
     """``fedsim run`` hides Flower's and Ray's own logs (Flower's logger at ERROR; ``ray.init`` told to log
     at ERROR, which sets Ray's logger, and to send no worker logs to the driver); ``--verbose`` lets them
     through. Ray is never started: Flower's ``run_simulation`` is replaced by a probe that records what
@@ -615,8 +619,7 @@ def test_verbose_lets_flower_and_ray_logs_through(tmp_path, monkeypatch, caplog,
     cfg.write_text('[federation]\nrounds = 1\nnum_clients = 2\n[train]\nlocal_steps = 1\n')
     argv = ["run", str(cfg), "--out", str(tmp_path / "run"), "--backend", "ray"]
     try:
-        with pytest.raises(Probe):
-            cli_main(argv + (["--verbose"] if verbose else []))
+        assert cli_main(argv + (["--verbose"] if verbose else [])) == 1
     finally:
         for name in ("flwr", "ray"):  # back to the test session's quiet logs
             logging.getLogger(name).setLevel(logging.ERROR)
@@ -630,13 +633,16 @@ def test_verbose_lets_flower_and_ray_logs_through(tmp_path, monkeypatch, caplog,
         assert seen["init"]["logging_level"] == "ERROR" and seen["init"]["log_to_driver"] is False
         assert flwr_lines == []
     assert not (tmp_path / "run").exists()  # the probe stopped it before round 1: nothing half-way kept
+    err = capsys.readouterr().err  # one line; the traceback only with --verbose
+    assert "fedsim: the run failed before completing a round: Probe (nothing written" in err
+    assert ("Traceback" in err) == verbose
 
 
 def test_help_and_version_do_not_import_torch():
     code = ("import sys\nfrom fedsim.app.cli import build_parser\np = build_parser()\n"
             "try:\n    p.parse_args(['--version'])\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": child_pythonpath()}, timeout=60)
+                         env={**os.environ, "PYTHONPATH": child_pythonpath()}, timeout=600)
     assert res.stdout.strip().splitlines() == ["fedsim 0.1.0", "False"], res.stdout + res.stderr
 
 

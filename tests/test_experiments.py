@@ -11,8 +11,9 @@ import pytest
 from fedsim.app.cli import main as cli_main
 from fedsim.app.experiment import experiment_files, write_results_index
 from fedsim.app.sweep import load_spec
+from fedsim.claims import evaluate_claims, t_interval
 from fedsim.config import ConfigError
-from fedsim.tables import check_report, evaluate_claims, paper_table, systematic
+from fedsim.tables import check_report, paper_table, systematic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +50,9 @@ def test_paper_table_layouts():
                                      "cells": [{"key": "{name}.rmse", "header": "RMSE", "fmt": ".2f"}]}]})
     lines = paper_table([r for r in rows if r["family"] == "none"], spec["tables"][0]).splitlines()
     assert lines[0] == "|  |  | a | b |" and lines[2:] == ["| B=1 | RMSE | 0.10 | 0.30 |", "| B=4 | RMSE | 0.10 | 0.30 |"]
+    # cols: only the variants with these col labels
+    spec = check_report({"tables": [{"title": "t", "cells": ["loss"], "cols": ["none", "noise 1"]}]})["tables"][0]
+    assert paper_table(rows, spec).splitlines()[0] == "|  | none | noise 1 |"
     # row_labels: a row shown under another name
     spec = check_report({"tables": [{"title": "t", "cells": ["loss"], "row_labels": {"B=1": "fresh"}}]})["tables"][0]
     assert [ln.split("|")[1].strip() for ln in paper_table(rows, spec).splitlines()[2:]] == ["fresh", "B=4"]
@@ -83,8 +87,18 @@ def test_systematic_takes_the_strongest_attack_and_the_best_defense_within_budge
     assert all(p["utility_loss"] == pytest.approx(q["utility_loss"]) for p, q in zip(acc["points"], res["points"]))
 
 
+def _runs(jitter: float = 0.0, seeds=(0, 1, 2)):
+    """``_rows()`` once per seed; ``jitter`` > 0 moves every number by a small seed- and variant-dependent
+    amount (orderings unchanged), 0 repeats the same numbers (a zero-width interval decides like a point)."""
+    out = []
+    for s in seeds:
+        for r in _rows():
+            j = jitter * (((s + len(r["variant"])) % 3) - 1)
+            out.append({**{k: (v + j if isinstance(v, float) else v) for k, v in r.items()}, "seed": s})
+    return out
+
+
 def test_claims_are_evaluated_on_the_numbers():
-    rows = _rows()
     spec = check_report({"systematic": {"attacks": ["a", "b"], "reference": "none"}})["systematic"]
     claims = [{"text": "x", "value": "prune 0.9 B=1:a.rmse", "op": ">", "than": "none B=1:a.rmse"},
               {"text": "y", "value": "noise 0.1 B=4:a.rmse", "op": "<", "than": 0.1},
@@ -93,31 +107,128 @@ def test_claims_are_evaluated_on_the_numbers():
               {"text": "w", "best_family": "prune", "budget": 1.0},
               {"text": "v", "value": "prune 0.5 B=1:accuracy", "op": ">=", "than": "none B=1:accuracy", "margin": -0.01},
               {"text": "u", "value": "prune 0.5 B=1:accuracy", "op": ">=", "than": "none B=1:accuracy", "margin": -0.03}]
-    out = evaluate_claims(claims, rows, {}, spec)
-    # v: 0.78 >= 0.80 - 0.01 fails; u: 0.78 >= 0.80 - 0.03 holds
-    assert [c["holds"] for c in out] == [True, False, True, True, False, False, True]
+    for jitter in (0.0, 5e-4):
+        out = evaluate_claims(claims, _runs(jitter), spec)
+        # v: 0.78 >= 0.80 - 0.01 fails; u: 0.78 >= 0.80 - 0.03 holds
+        assert [c["verdict"] for c in out] == ["holds", "does not hold", "holds", "holds", "does not hold",
+                                               "does not hold", "holds"], jitter
+        assert [c["holds"] for c in out] == [True, False, True, True, False, False, True]
+        assert all(c["seeds"] == [0, 1, 2] for c in out)
     assert "0.4" in out[0]["ours"] and "noise 1 B=1" in out[4]["ours"] and "a 6" in out[3]["ours"]
-    rows = [r for r in rows if r["variant"] != "none B=1"]
-    assert evaluate_claims(claims[:1], rows)[0]["holds"] is None  # a missing cell: not measured, not "no"
+    assert out[0]["value_std"] > 0 and out[0]["ci"][0] < out[0]["difference_mean"] < out[0]["ci"][1]
+    runs = [r for r in _runs() if r["variant"] != "none B=1"]
+    assert evaluate_claims(claims[:1], runs)[0]["verdict"] == "not measured"  # a missing cell, not "no"
+    assert evaluate_claims(claims[:1], runs)[0]["holds"] is None
 
 
 def test_a_two_sided_claim_fails_where_the_one_sided_one_passes():
     """``op = "~="``: |value - than| <= margin. "Within 0.5 points" of a better number must fail; a
     one-sided ``>=`` with a negative margin passes (what the fedboosting claim used to do)."""
-    rows = _rows()  # none B=1: accuracy 0.80; prune 0.5 B=1: 0.78
+    runs = _runs()  # none B=1: accuracy 0.80; prune 0.5 B=1: 0.78, in every seed
     hi, lo = "none B=1:accuracy", "prune 0.5 B=1:accuracy"
     claims = [{"text": "one-sided", "value": hi, "op": ">=", "than": lo, "margin": -0.005},
               {"text": "two-sided", "value": hi, "op": "~=", "than": lo, "margin": 0.005},
               {"text": "below", "value": lo, "op": "~=", "than": hi, "margin": 0.005},
               {"text": "wide", "value": hi, "op": "~=", "than": lo, "margin": 0.03},
-              {"text": "edge", "value": hi, "op": "~=", "than": lo, "margin": 0.02},  # 0.8 - 0.78 in floats
+              {"text": "edge", "value": hi, "op": "~=", "than": lo, "margin": 0.02 + 1e-12},  # 0.8 - 0.78 in floats
               {"text": "number", "value": lo, "op": "~=", "than": 0.79, "margin": 0.005}]
-    out = evaluate_claims(claims, rows)
+    out = evaluate_claims(claims, runs)
     assert [c["holds"] for c in out] == [True, False, False, True, True, False]
-    assert "|difference| = 0.02 > 0.005" in out[1]["ours"] and "<= 0.03" in out[3]["ours"]
+    assert "needs |difference| <= 0.005" in out[1]["interval"] and "+0.02" in out[1]["interval"]
     missing = [{"text": "m", "value": "none B=1:nope", "op": "~=", "than": lo, "margin": 0.1}]
-    assert evaluate_claims(missing, rows)[0]["holds"] is None
-    assert "missing" in evaluate_claims(missing, rows)[0]["ours"]
+    assert evaluate_claims(missing, runs)[0]["verdict"] == "not measured"
+    assert "missing" in evaluate_claims(missing, runs)[0]["ours"]
+
+
+def _pair(a, b, extra_a=None, extra_b=None):
+    """Two variants over seeds 0..len(a)-1 with column ``m`` (and extra columns per seed)."""
+    runs = []
+    for s, (x, y) in enumerate(zip(a, b)):
+        runs.append({"variant": "A", "seed": s, "m": x, **{k: v[s] for k, v in (extra_a or {}).items()}})
+        runs.append({"variant": "B", "seed": s, "m": y, **{k: v[s] for k, v in (extra_b or {}).items()}})
+    return runs
+
+
+def _verdict(runs, op=">", than="B:m", margin=0.0, value="A:m"):
+    return evaluate_claims([{"text": "t", "value": value, "op": op, "than": than, "margin": margin}], runs)[0]
+
+
+def test_a_claim_is_decided_by_the_t_interval_of_the_paired_difference():
+    """The interval is the Student-t interval of value - than over the seeds; it decides holds / does not
+    hold / inconclusive, and the pairing removes what a seed shares between the two variants."""
+    c = _verdict(_pair([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]))  # differences 1, 2, 3: mean 2, sd 1
+    half = 4.302653 / math.sqrt(3)  # t(0.975, 2) = 4.3027 (any t table)
+    assert c["ci"] == pytest.approx([2 - half, 2 + half], abs=1e-5) and c["difference_std"] == pytest.approx(1.0)
+    assert c["verdict"] == "inconclusive" and "straddles" in c["why"]  # [-0.48, 4.48] contains 0
+    assert (c["value_mean"], c["than_mean"]) == (4.0, 2.0) and c["seeds"] == [0, 1, 2]
+    assert t_interval([1.0, 2.0, 3.0])[2:] == pytest.approx((2 - half, 2 + half), abs=1e-5)
+    # the seeds move both sides together: paired, a consistent +0.1 holds although the sides' spreads overlap
+    assert _verdict(_pair([0.6, 0.8, 0.7], [0.5, 0.71, 0.59]))["verdict"] == "holds"
+    assert _verdict(_pair([0.6, 0.8, 0.7], [0.5, 0.71, 0.59]), op="<")["verdict"] == "does not hold"
+    assert _verdict(_pair([0.6, 0.8, 0.7], [0.5, 0.71, 0.59]), margin=0.2)["verdict"] == "does not hold"
+    # a noisy difference straddles 0
+    assert _verdict(_pair([0.55, 0.5, 0.58], [0.5, 0.54, 0.55]))["verdict"] == "inconclusive"
+    # one cell against a number: the interval of its mean
+    runs = _pair([0.12, 0.11, 0.13], [0, 0, 0])
+    assert _verdict(runs, op="<", than=0.2)["verdict"] == "holds"
+    assert _verdict(runs, op=">", than=0.2)["verdict"] == "does not hold"
+    assert _verdict(_pair([0.19, 0.21, 0.2], [0, 0, 0]), op="<", than=0.2)["verdict"] == "inconclusive"
+    # equivalence: holds only when the whole interval is within the margin
+    assert _verdict(_pair([0.501, 0.498, 0.5], [0.5] * 3), op="~=", margin=0.005)["verdict"] == "holds"
+    assert _verdict(_pair([0.52, 0.521, 0.519], [0.5] * 3), op="~=", margin=0.005)["verdict"] == "does not hold"
+    assert _verdict(_pair([0.51, 0.49, 0.5], [0.5] * 3), op="~=", margin=0.005)["verdict"] == "inconclusive"
+    # fewer than three seeds decide nothing, however clear
+    c = _verdict(_pair([0.9, 0.9], [0.1, 0.1]))
+    assert c["verdict"] == "inconclusive" and "2 seed(s)" in c["why"] and c["holds"] is None
+    # a seed where one side is missing is left out of the pairing
+    runs = _pair([0.9, 0.9, 0.9, 0.9], [0.1, 0.1, 0.1, None])
+    assert _verdict(runs)["seeds"] == [0, 1, 2] and _verdict(runs)["verdict"] == "holds"
+
+
+def test_ties_and_two_failed_attacks_are_inconclusive():
+    """Both at a ceiling in every seed cannot be ordered; two attacks that both failed (success_content 0 in
+    every seed) differ by noise, however consistently (Table III[A]: 5.05 vs 5.37 dB)."""
+    ceiling = _pair([1.0] * 3, [1.0] * 3)
+    for op in (">=", ">", "<="):
+        c = _verdict(ceiling, op=op)
+        assert c["verdict"] == "inconclusive" and "tied" in c["why"], op
+    assert _verdict(ceiling, op="~=", margin=0.01)["verdict"] == "holds"  # equal is within any margin
+    assert _verdict(ceiling, op=">=", margin=-0.01)["verdict"] == "holds"  # "costs at most 1 point": it costs 0
+    failed = {"idlg.success_content": [0.0, 0.0, 0.0]}
+    psnr = _pair([5.05, 5.06, 5.04], [5.37, 5.39, 5.36], {"idlg.psnr": [5.05, 5.06, 5.04], **failed},
+                 {"idlg.psnr": [5.37, 5.39, 5.36], **failed})
+    c = _verdict(psnr, op="<", value="A:idlg.psnr", than="B:idlg.psnr")
+    assert c["verdict"] == "inconclusive" and "both attacks failed" in c["why"]
+    # one of them succeeded in one seed: decided as usual
+    ok = {"idlg.success_content": [0.0, 0.5, 0.0]}
+    psnr = _pair([5.05, 5.06, 5.04], [5.37, 5.39, 5.36], {"idlg.psnr": [5.05, 5.06, 5.04], **failed},
+                 {"idlg.psnr": [5.37, 5.39, 5.36], **ok})
+    assert _verdict(psnr, op="<", value="A:idlg.psnr", than="B:idlg.psnr")["verdict"] == "holds"
+
+
+def test_systematic_claims_are_decided_seed_by_seed():
+    spec = check_report({"systematic": {"attacks": ["a", "b"], "reference": "none"}})["systematic"]
+    claim = [{"text": "z", "best_family": "prune", "budget": 0.3}]
+    runs = _runs()
+    assert evaluate_claims(claim, runs, spec)[0]["interval"] == "holds in 3 of 3 seeds"
+    for r in runs:  # seed 2: noise 0.1 becomes the best defense within 0.3
+        if r["seed"] == 2 and r["variant"].startswith("noise 0.1"):
+            r["a.rmse"] = r["b.rmse"] = 0.9
+    c = evaluate_claims(claim, runs, spec)[0]
+    assert c["verdict"] == "inconclusive" and c["interval"] == "holds in 2 of 3 seeds" and "seed 2: best" in c["ours"]
+    two = evaluate_claims(claim, [r for r in runs if r["seed"] < 2], spec)[0]  # holds in both, but 2 seeds
+    assert two["verdict"] == "inconclusive" and "2 seed(s)" in two["why"] and two["interval"] == "holds in 2 of 2 seeds"
+
+
+def test_the_claims_table_shows_verdict_interval_and_seeds():
+    from fedsim.claims import claims_markdown
+
+    claims = [{"text": "beats", "value": "A:m", "op": ">", "than": "B:m"},
+              {"text": "ext", "value": "A:m", "op": "<", "than": 2, "extension": "5 clients, the paper used 2"}]
+    md = claims_markdown(evaluate_claims(claims, _pair([0.9, 0.8, 0.85], [0.5, 0.45, 0.55])))
+    assert "seeds [0, 1, 2]" in md and "| **holds**: the 95% interval meets" in md
+    assert "A:m 0.85 ± 0.05 vs B:m 0.5 ± 0.05" in md and "95% CI [+" in md
+    assert "*(extension beyond the paper: 5 clients, the paper used 2)*" in md
 
 
 def test_report_figures_are_drawn_linked_or_noted(tmp_path):
@@ -166,8 +277,12 @@ def test_report_figures_are_drawn_linked_or_noted(tmp_path):
     ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~="\nthan = 1', r"margin must be a number >= 0"),
     ('[[report.figures]]\ntitle = "t"\ndraw = "no_such_module_xyz:f"', r"report.figures\[0\].draw: cannot import"),
     ('[[report.figures]]\ntitle = "t"', r"report.figures\[0\] must be a table with a 'title' and 'draw'"),
-    ('[[report.figures]]\ntitle = "t"\ndraw = "json:__name__"', r"is not a function"),
+    ('[[report.figures]]\ntitle = "t"\ndraw = "experiments.fedboosting_table:SWEEP"',
+     r"must name a class or a function \(got PosixPath\)"),
+    ('[[report.figures]]\ntitle = "t"\ndraw = "shutil:rmtree"', r"'shutil:rmtree' names Python's standard library"),
     ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = "~="\nthan = 1\nmargin = -0.1', r"margin must be"),
+    ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = ">"\nthan = 1\nmargins = 1', r"claims\[0\]: unknown keys \['margins'\]"),
+    ('[[experiment.claims]]\ntext = "t"\nvalue = "a:loss"\nop = ">"\nthan = 1\nextension = 1', r"extension must say"),
 ])
 def test_bad_experiment_files_name_the_key(tmp_path, bad, msg):
     p = tmp_path / "e.toml"
@@ -205,6 +320,11 @@ def test_every_paper_has_an_experiment():
         assert seed in papers, f"no experiment reproduces {seed}"
 
 
+def _in_table(meta, table) -> bool:
+    """A variant (its row/col labels) is one of the table's (``rows`` / ``cols`` keep some)."""
+    return all(table.get(k) is None or meta[k[:-1]] in table[k] for k in ("rows", "cols"))
+
+
 def test_every_table_has_a_quick_row():
     """Every paper table of every experiment is exercised by the smoke test (in CI only the experiments
     of QUICK_IN_CI, all with ``--slow``): its [quick] variants, each loaded and validated here, include
@@ -218,7 +338,7 @@ def test_every_table_has_a_quick_row():
         spec = load_spec(path, quick=True)
         labels = [lab for lab, _ in spec.variants]
         for t in spec.report["tables"]:
-            if not any(t.get("rows") is None or spec.meta[lab]["row"] in t["rows"] for lab in labels):
+            if not any(_in_table(spec.meta[lab], t) for lab in labels):
                 missing.append(f"{name}: {t['title']}")
     assert not missing, f"tables no [quick] variant exercises: {missing}"
 
@@ -242,7 +362,7 @@ def test_quick_variant_runs_and_has_the_papers_table_shape(name, tmp_path):
     report = (out / "report.md").read_text()
     all_labels = [lab for lab, _ in spec.variants]
     for t in spec.report["tables"]:
-        labels = [lab for lab in all_labels if t.get("rows") is None or spec.meta[lab]["row"] in t["rows"]]
+        labels = [lab for lab in all_labels if _in_table(spec.meta[lab], t)]
         assert labels, f"{name}: [quick] runs no variant of {t['title']!r}"  # (test_every_table_has_a_quick_row)
         section = report.split(f"## {t['title']}\n", 1)[1].split("\n## ", 1)[0]
         lines = [ln for ln in section.splitlines() if ln.startswith("|")]
@@ -268,10 +388,121 @@ def test_quick_variant_runs_and_has_the_papers_table_shape(name, tmp_path):
     if spec.claims:
         claims = json.loads((out / "claims.json").read_text())
         assert [c["text"] for c in claims] == [c["text"] for c in spec.claims]
+        assert all(c["verdict"] in ("inconclusive", "not measured") for c in claims)  # one seed decides nothing
+    # the quick variant shows the method, not a table at chance (issue 32): some variant's model learned
+    # (10 points above its untrained accuracy) or some attack recovered its target (an image with SSIM >=
+    # 0.5 on average, or records: ASR > 0; membership: ROC AUC >= 0.75)
+    rows = [json.loads(line) for line in (out / "sweep.jsonl").read_text().splitlines()]
+    learned = [r["variant"] for r in rows if r.get("accuracy") is not None and r["accuracy"] >= 0.1 + json.loads(
+        (out / (r.get("run") or r["runs"][0]) / "summary.json").read_text())["initial_accuracy"]]
+    recovered = [f"{r['variant']}: {k}" for r in rows for k, v in r.items() if isinstance(v, (int, float)) and (
+        (k.endswith(".ssim") and v >= 0.5) or (k.endswith(".success_content") and v > 0)
+        or (k.endswith(".auc") and v >= 0.75))]
+    assert learned or recovered, f"{name}: --quick learns nothing and no attack recovers anything"
     for fig in spec.report["figures"]:  # drawn, linked, and no failure note
         assert f"## {fig['title']}\n" in report and "Not drawn" not in report
         link = report.split(f"## {fig['title']}\n", 1)[1].split("](", 1)[1].split(")", 1)[0]
         assert (out / link).stat().st_size > 5000
+
+
+TINY_EXPERIMENT = """name = "tiny"
+seed = 0
+[experiment]
+title = "Tiny: FedBoosting vs FedAvg on the two-source task"
+[[experiment.claims]]
+text = "centralised training beats a model that never trained"
+value = "pooled:accuracy"
+op = ">"
+than = "untrained:accuracy"
+[[experiment.claims]]
+text = "one local step is as good as pooled training"
+value = "untrained:accuracy"
+op = "~="
+than = "pooled:accuracy"
+margin = 0.001
+extension = "a made-up claim"
+[quick]
+set = ["train.local_steps=1"]
+[[report.tables]]
+title = "accuracy"
+cells = ["accuracy", "test.wide_accuracy"]
+[federation]
+rounds = 2
+num_clients = 1
+[data]
+dataset = "synthetic-2d"
+partition = "natural"
+[model]
+name = "mlp"
+hidden = [8]
+activation = "sigmoid"
+[train]
+lr = 0.5
+batch_size = 64
+local_steps = 75
+[simulation]
+backend = "inprocess"
+[output]
+observers = []
+[[variants]]
+label = "pooled"
+[[variants]]
+label = "untrained"
+train.lr = 1e-9
+train.local_steps = 1
+"""
+
+
+def test_an_experiment_runs_three_seeds_and_publishes_the_claims_decided_over_them(tmp_path, capsys):
+    """``fedsim experiment NAME --publish DIR`` end to end: three seeds by default, each claim in claims.json
+    with its seeds, both sides' mean and std, the interval and a verdict; the index shows them; --quick runs
+    one seed (its claims are then inconclusive: tests above); --publish refuses fewer than three seeds before
+    running anything."""
+    p = tmp_path / "tiny.toml"
+    p.write_text(TINY_EXPERIMENT)
+    assert load_spec(p).seeds == [0, 1, 2] and load_spec(p, quick=True).seeds is None
+    assert cli_main(["experiment", str(p), "--seeds", "0,1", "--publish", str(tmp_path / "pub")]) == 2
+    assert "--publish decides the claims over >= 3 seeds" in capsys.readouterr().err
+    assert not (tmp_path / "pub").exists()
+    out = tmp_path / "run"
+    assert cli_main(["experiment", str(p), "--out", str(out), "-q", "--publish", str(tmp_path / "pub")]) == 0
+    assert sorted(d.name for d in out.iterdir() if d.is_dir()) == [f"{i:02d}-{v}-seed{s}" for i, v in
+                                                                  enumerate(("pooled", "untrained")) for s in range(3)]
+    claims = json.loads((tmp_path / "pub" / "tiny" / "claims.json").read_text())
+    runs = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
+    acc = {(r["variant"], r["seed"]): r["accuracy"] for r in runs}
+    c = claims[0]
+    assert c["seeds"] == [0, 1, 2] and c["verdict"] == "holds" and c["holds"] is True
+    assert c["value_mean"] == pytest.approx(sum(acc[("pooled", s)] for s in range(3)) / 3)
+    assert c["than_std"] >= 0 and c["ci"][0] > 0  # the interval of the difference lies above 0
+    assert [x["value"] for x in c["per_seed"]] == [acc[("pooled", s)] for s in range(3)]
+    assert claims[1]["verdict"] == "does not hold" and claims[1]["extension"] == "a made-up claim"
+    index = (tmp_path / "pub" / "README.md").read_text()
+    assert "| 0, 1, 2 | **holds**" in index and "| 0, 1, 2 | **does not hold**" in index
+    assert "Verdicts over seeds: 1 holds, 1 does not hold." in index and "extension beyond the paper: a made-up claim" in index
+    assert f"| {c['interval']} | 0, 1, 2 | **holds**" in index and "95% CI [+" in c["interval"]  # the interval decided
+    assert "before seeds" not in index
+    report = (tmp_path / "pub" / "tiny" / "report.md").read_text()
+    assert " ± " in report.split("## accuracy", 1)[1].split("##", 1)[0]  # the paper table shows mean ± std
+    # full rows carry every metric's mean over the training rounds (mean.<key>)
+    from fedsim.comparison import run_row
+
+    d = out / "00-pooled-seed1"
+    acc = [json.loads(line)["accuracy"] for line in (d / "metrics.jsonl").read_text().splitlines()][1:]
+    assert len(acc) == 2 and run_row("pooled", d, full=True)["mean.accuracy"] == pytest.approx(sum(acc) / 2)
+    # the hand-written section on disagreements is kept in the index when it is rewritten
+    (tmp_path / "pub" / "disagreements.md").write_text("## Where fedsim and the papers disagree, and why\n\nx\n")
+    write_results_index(tmp_path / "pub")
+    assert (tmp_path / "pub" / "README.md").read_text().endswith("and why\n\nx\n")
+    # a claim published before claims were decided over seeds (no "seeds"): shown as such, not counted as decided
+    old = tmp_path / "pub" / "old"
+    old.mkdir()
+    (old / "meta.json").write_text(json.dumps({"title": "old one"}))
+    (old / "claims.json").write_text(json.dumps([{"text": "t", "ours": "0.5 > 0.4", "holds": True}]))
+    write_results_index(tmp_path / "pub")
+    index = (tmp_path / "pub" / "README.md").read_text()
+    assert "| - | 1 (before seeds) | **holds** |" in index
+    assert "Verdicts over seeds: 1 holds, 1 does not hold. 1 claim published before claims were decided" in index
 
 
 def test_rerun_skips_complete_variants_and_publish_writes_the_index(tmp_path, capsys):

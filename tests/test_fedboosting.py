@@ -5,8 +5,9 @@ What is asserted: the mixture weights follow docs/fedboosting.md's reading of eq
 example computed here with ``math``, and in a real run from the losses the clients sent); the
 cross-validation exchange sends every contributor exactly the N fused models and nothing else; each
 fused model is ``p_hat`` of its owner's model plus shares of the others that sum to ``1 - p_hat``
-(recovered by least squares from the models the clients sent), differs from every single model, and
-its shares change from round to round; the aggregate is ``sum_i p_i x_i``; a failed cross-validation
+(recovered by least squares from the models the clients sent; eq. 4.5's equal shares by default),
+differs from every single model; random shares (an option) change from round to round and do not
+follow from the seed; the aggregate is ``sum_i p_i x_i``; a failed cross-validation
 reply is recorded and the round aggregates with the validators that answered (or FedAvg's weights if
 none did); virtual clients give the same result; under Paillier the exchange carries ciphertexts only, the fused
 models decrypt (with a client's key) to p_hat of the owner's model and 1 - p_hat of the others' with the
@@ -44,6 +45,7 @@ from fedsim.protocol import (
     PAYLOAD,
     PAYLOADS,
     SERVER_ROUND,
+    STAGE,
     STATE_CHANNEL,
     TRAIN,
     decode_arrays,
@@ -117,8 +119,38 @@ def test_weights_follow_the_documented_formula_on_a_hand_made_example():
         mixture_weights(t, np.zeros((2, 3)))
 
 
-def test_fusion_matrix_has_the_stated_weight_and_fresh_shares():
-    rule = FedBoosting(p_hat=0.8)
+def test_inverse_loss_weighting_follows_the_authors_code_on_a_hand_made_example():
+    """``weighting = "inverse-loss"``: p_i proportional to (1 / mean_j V[i, j]) * normalised (1 / T_i), no
+    softmax (the authors' public code); a model with half the losses gets twice the weight."""
+    from strategies.fedboosting import inverse_loss_weights
+
+    t = [0.2, 0.5, 1.0]
+    v = [[0.3, 0.9, 1.2], [0.4, 0.5, 2.0], [1.0, 1.1, 0.6]]
+    inv_t = [1 / x for x in t]
+    s = [(3 / sum(v[i])) * inv_t[i] / sum(inv_t) for i in range(3)]
+    np.testing.assert_allclose(inverse_loss_weights(t, np.array(v)), [x / sum(s) for x in s], rtol=1e-12)
+    s = [3 / sum(row) for row in v]  # without the training losses: the inverse mean validation loss
+    np.testing.assert_allclose(inverse_loss_weights(t, np.array(v), use_train_loss=False), [x / sum(s) for x in s])
+    np.testing.assert_allclose(inverse_loss_weights([1.0, 1.0], np.array([[1.0], [2.0]])), [2 / 3, 1 / 3])
+    part = np.array(v)[:, [0, 2]]  # missing validators: the mean over those that answered
+    s = [(2 / (v[i][0] + v[i][2])) * inv_t[i] / sum(inv_t) for i in range(3)]
+    np.testing.assert_allclose(inverse_loss_weights(t, part), [x / sum(s) for x in s], rtol=1e-12)
+    np.testing.assert_allclose(inverse_loss_weights([0.7] * 4, np.full((4, 4), 1.3)), [0.25] * 4)
+    assert np.isfinite(inverse_loss_weights([0.0, 1.0], np.zeros((2, 2)))).all()  # a perfect fit: no 1/0
+    with pytest.raises(ValueError, match="weighting"):
+        FedBoosting(weighting="softmax-free")
+
+
+def test_fusion_matrix_has_equal_shares_by_default_and_random_shares_are_not_derivable_from_the_seed():
+    """Eq. 4.5 by default: (1 - p_hat) / (N - 1) on every other model. The random shares (an option) come
+    from server-only entropy by default: the same seed draws different shares, and a client that knows
+    the seed (it is in every config) cannot recompute them; secrets_from = "seed" makes them reproducible."""
+    eq = FedBoosting(p_hat=0.9)
+    assert (eq.shares, eq.secrets_from) == ("equal", "entropy")
+    eq.setup([], {"seed": 0})
+    np.testing.assert_allclose(eq.fusion_matrix(1, 3), [[0.9, 0.05, 0.05], [0.05, 0.9, 0.05], [0.05, 0.05, 0.9]])
+    np.testing.assert_allclose(eq.fusion_matrix(7, 5), np.eye(5) * 0.9 + (1 - np.eye(5)) * 0.025)
+    rule = FedBoosting(p_hat=0.8, shares="random", secrets_from="seed")
     rule.setup([], {"seed": 3})
     f1, f2 = rule.fusion_matrix(1, 4), rule.fusion_matrix(2, 4)
     for f in (f1, f2):
@@ -127,16 +159,20 @@ def test_fusion_matrix_has_the_stated_weight_and_fresh_shares():
         assert (f >= 0).all()
     assert np.abs(f1 - f2).max() > 0.01  # drawn afresh each round
     np.testing.assert_array_equal(f1, rule.fusion_matrix(1, 4))  # reproducible from (seed, round)
-    eq = FedBoosting(p_hat=0.9, shares="equal")
-    eq.setup([], {"seed": 0})
-    np.testing.assert_allclose(eq.fusion_matrix(1, 3), [[0.9, 0.05, 0.05], [0.05, 0.9, 0.05], [0.05, 0.05, 0.9]])
     no_fusion = FedBoosting(p_hat=1.0)
     no_fusion.setup([], {"seed": 0})
     np.testing.assert_array_equal(no_fusion.fusion_matrix(1, 3), np.eye(3))
-    a, b = FedBoosting(secrets_from="entropy"), FedBoosting(secrets_from="entropy")
-    a.setup([], {"seed": 0})
-    b.setup([], {"seed": 0})
-    assert np.abs(a.fusion_matrix(1, 3) - b.fusion_matrix(1, 3)).max() > 0  # server-only secrets
+    a, b = FedBoosting(p_hat=0.8, shares="random"), FedBoosting(p_hat=0.8, shares="random")
+    a.setup([], {"seed": 3})
+    b.setup([], {"seed": 3})
+    fa = a.fusion_matrix(1, 4)
+    np.testing.assert_allclose(fa.sum(1), 1.0)
+    assert np.abs(fa - b.fusion_matrix(1, 4)).max() > 1e-3  # the same seed, other shares
+    assert np.abs(fa - f1).max() > 1e-3  # what a client computes from the seed is not what was used
+    resumed = FedBoosting(p_hat=0.8, shares="random")  # a checkpoint keeps the secrets (resumed runs)
+    resumed.setup([], {"seed": 3})
+    resumed.load_state(a.state())
+    np.testing.assert_array_equal(resumed.fusion_matrix(2, 4), a.fusion_matrix(2, 4))
 
 
 @pytest.mark.parametrize("sets,message", [
@@ -180,7 +216,6 @@ def test_the_exchange_sends_each_client_the_fused_models_and_the_weights_follow_
     grid, server, state, summary = run_inprocess(cfg)
     assert summary["client_failures"] == 0
     n = 3
-    shares = []
     for rnd in (1, 2):
         train = exchanges(grid, TRAIN, rnd)
         models = {int(r.content[METRICS][PARTITION_ID]): flat(decode_arrays(r.content[ARRAYS])) for _, r in train}
@@ -201,12 +236,16 @@ def test_the_exchange_sends_each_client_the_fused_models_and_the_weights_follow_
         rows = []
         for k in range(n):
             w, *_ = np.linalg.lstsq(x, first[k], rcond=None)
-            np.testing.assert_allclose(w[k], 0.7, atol=1e-4)  # the stated weight on its owner's model
-            assert (w > -1e-4).all() and abs(w.sum() - 1) < 1e-4
+            # the stated weight on its owner's model, eq. 4.5's equal shares (1 - 0.7) / 2 on the others
+            np.testing.assert_allclose(w, [0.7 if j == k else 0.15 for j in range(n)], atol=1e-4)
             for j in range(n):  # ... and it is none of the individual models
                 assert np.abs(first[k] - models[j]).max() > 1e-3
             rows.append(w)
-        shares.append(np.array(rows))
+        # eq. 4.5's fusion matrix is public (p_hat travels in the config) and invertible (p_hat > 1/N): a
+        # client holding the N fused models recovers every client's model (docs/fedboosting.md)
+        f = np.full((n, n), 0.15) + np.eye(n) * (0.7 - 0.15)
+        recovered = np.linalg.solve(f, np.stack(first))
+        np.testing.assert_allclose(recovered, np.stack([models[k] for k in range(n)]), atol=1e-4)
         # V from the clients' replies (validator j's column), then the documented formula
         v = np.zeros((n, n))
         for _, reply in cv:
@@ -222,7 +261,7 @@ def test_the_exchange_sends_each_client_the_fused_models_and_the_weights_follow_
         np.testing.assert_allclose(row["strategy.val_loss_own_mean"], np.diag(v).mean())
         if rnd == 2:  # the final state is sum_i p_i x_i (eq. 4.1)
             np.testing.assert_allclose(flat(state), x @ p, atol=1e-6)
-    assert np.abs(shares[0] - shares[1]).max() > 1e-3  # the others' shares are drawn afresh
+        np.testing.assert_allclose(row["strategy.weights_entropy_norm"], -(p * np.log(p)).sum() / np.log(n))
 
 
 def test_with_two_clients_the_fusion_does_not_hide_the_other_model_from_a_client(small_cfg):
@@ -323,7 +362,7 @@ def test_paillier_fedboosting_sends_ciphertexts_only_and_matches_plaintext(small
         train = exchanges(grid, TRAIN, rnd)
         assert all(ARRAYS not in r.content for _, r in train)  # nothing travels in plaintext
         # the updates travel encrypted, in the second exchange (the round's common clip)
-        enc = exchanges(grid, CHANNEL_SETUP, rnd)
+        enc = [(m, r) for m, r in exchanges(grid, CHANNEL_SETUP, rnd) if m.content[CONFIG][STAGE] == "encrypt"]
         models = {int(m.metadata.dst_node_id): decode(bytes(r.content[CHANNEL][PAYLOAD])) for m, r in enc}
         models = {grid.nodes[k]: v for k, v in models.items()}
         assert sorted(models) == list(range(n))
@@ -350,8 +389,8 @@ def test_paillier_fedboosting_sends_ciphertexts_only_and_matches_plaintext(small
     rows = server.rows
     assert all(r["evaluated_by"].startswith("client ") for r in rows[1:])
     assert server.engine.channel.plaintext(state) is None
-    # measured (seed 0, 3 clients): accuracy 0.7455 under Paillier, 0.7454 in plaintext; client 0's weight
-    # 0.404703 vs 0.404686
+    # measured (seed 0, 3 clients, 12-bit updates): accuracy 0.7455 under Paillier, 0.7454 in plaintext; client
+    # 0's weight 0.404675 vs 0.404686
     assert abs(rows[-1]["accuracy"] - plain[-1]["accuracy"]) <= 0.005, (rows[-1]["accuracy"], plain[-1]["accuracy"])
     assert abs(rows[-1]["strategy.weight.0"] - plain[-1]["strategy.weight.0"]) < 1e-3
 

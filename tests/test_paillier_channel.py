@@ -11,11 +11,16 @@ recorded failures while the round aggregates the rest.
 """
 from __future__ import annotations
 
+import builtins
 import collections
 import functools
 import hashlib
+import io
 import json
+import os
+import pathlib
 import re
+import sys
 import types
 import warnings
 
@@ -46,7 +51,7 @@ from fedsim.crypto.paillier import (
 )
 from fedsim.crypto.quantize import Quantizer, range_exponent
 from fedsim.inprocess import InProcessGrid
-from fedsim.protocol import CHANNEL, PAYLOAD, RANGE_EXPONENT, STATE_CHANNEL
+from fedsim.protocol import CHANNEL, PAYLOAD, PAYLOADS, RANGE_EXPONENT, STATE_CHANNEL
 from fedsim.reports import read_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*key.*:UserWarning")
@@ -142,7 +147,8 @@ def test_the_decrypted_aggregate_update_equals_the_plaintext_one_within_the_boun
     assert clip == row["channel.clip"] == 2.0 ** range_exponent(np.array([largest])) and largest <= clip < 2 * largest
     assert row["channel.clipped"] == 0
     bound = row["channel.quantization_bound"]
-    assert bound == pytest.approx(0.5 * clip / 32767) and row["channel.error_bound"] == pytest.approx(bound)
+    assert server.engine.channel.quantizer.bits == 12  # the default for updates (at their own range)
+    assert bound == pytest.approx(0.5 * clip / 2047) and row["channel.error_bound"] == pytest.approx(bound)
     assert (expected < 0).any() and (expected > 0).any()  # negative values are in the sum
     err = float(np.max(np.abs(got - expected)))
     assert 0 < err <= bound + 1e-7, (err, bound)  # + float32 rounding of the plaintext model
@@ -174,8 +180,34 @@ def test_model_encryption_stays_available(small_cfg, tmp_path):
     grid, server, state, summary = _run_inprocess(cfg)
     got, clip = _decrypt_head(grid, server, state)
     assert state.kind == "model" and clip == 4.0 and summary["client_failures"] == 0
+    assert server.engine.channel.quantizer.bits == 16  # the default for whole models (over a fixed clip)
     err = float(np.max(np.abs(got - (expected + _flat(server.initial)))))
     assert 0 < err <= 0.5 * 4.0 / 32767 + 1e-6
+
+
+def test_integer_weights_are_reduced_by_their_common_divisor_exactly():
+    """Example counts become the smallest integers with the same ratios (equal counts: weights of 1, which
+    the combination applies without an exponentiation); the combination decodes to the same mean, bit for
+    bit, and its ciphertexts decrypt with plain ``phe`` to the reduced weights' sums of the clients'
+    plaintexts. Weights that do not fit ``precision`` even reduced are rounded (eq. 4.4), as before."""
+    from strategies.paillier import PaillierChannel
+
+    ch = PaillierChannel(key_bits=512, precision=4096)
+    assert ch.integer_weights([200.0] * 10) == [1] * 10
+    assert ch.integer_weights([200, 400, 600]) == [1, 2, 3]
+    assert ch.integer_weights([3001, 2000]) == [2458, 1638]  # round(p_i * 4096)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pk, sk = generate_keypair(512)
+    codec = PaillierCodec(pk, Quantizer(bits=12, clip=0.5), 64, private_key=sk)
+    rng = np.random.default_rng(3)
+    payloads = [codec.encode([rng.uniform(-0.5, 0.5, 40)]) for _ in range(3)]
+    full, reduced = codec.combine(payloads, [10, 20, 30]), codec.combine(payloads, ch.integer_weights([10, 20, 30]))
+    np.testing.assert_array_equal(codec.decode(full, [(40,)])[0], codec.decode(reduced, [(40,)])[0])
+    n = pk.n
+    plain = [[sk.raw_decrypt(c) for c in pl._ciphertexts(p, parse_header(p))] for p in payloads]
+    got = [sk.raw_decrypt(c) for c in pl._ciphertexts(reduced, parse_header(reduced))]
+    assert got == [(m0 + 2 * m1 + 3 * m2) % n for m0, m1, m2 in zip(*plain)]
 
 
 def test_a_process_decrypts_an_aggregate_once_for_all_its_clients():
@@ -197,6 +229,38 @@ def test_a_process_decrypts_an_aggregate_once_for_all_its_clients():
     cache.get(codec, agg, 50, "other settings")
     cache.get(codec, codec.encode([xs[0]]), 50, "s")
     assert cache.hits == 1 and len(cache.items) == 2  # the oldest went
+
+
+def test_the_aggregate_sent_ahead_leaves_the_models_as_they_were_and_lightens_the_next_train(small_cfg):
+    """``after_round``'s ``advance`` stage: after every round but the last, the next round's clients get the
+    new aggregate update and keep the new global model, so the next train messages carry no ciphertexts;
+    the clients' models and every metric (but times) are those of a run without it (``channel.advance =
+    false``), bit for bit."""
+    from fedsim.protocol import CHANNEL_SETUP, CONFIG, SERVER_ROUND, STAGE, TRAIN
+
+    runs = {}
+    for advance in ("true", "false"):
+        cfg = small_cfg(*TABULAR, "federation.rounds=3", *paillier(f"channel.advance={advance}"))
+        runs[advance] = grid, server, state, summary = _run_inprocess(cfg)
+        assert summary["client_failures"] == 0
+
+    def stages(grid):
+        return [(int(m.content[CONFIG][SERVER_ROUND]), str(m.content[CONFIG][STAGE])) for m in grid.messages_sent
+                if m.metadata.message_type == CHANNEL_SETUP and m.content[CONFIG].get(STAGE) == "advance"]
+
+    def carried(grid, rnd):  # ciphertexts in the train messages of round rnd
+        return [len(v[PAYLOADS]) for m in grid.messages_sent if m.metadata.message_type == TRAIN
+                and int(m.content[CONFIG][SERVER_ROUND]) == rnd for k, v in m.content.items() if k.startswith(CHANNEL)]
+
+    grid, server, state, _ = runs["true"]
+    assert stages(grid) == [(1, "advance")] * 4 + [(2, "advance")] * 4  # not after the last round
+    assert carried(grid, 2) == carried(grid, 3) == [0] * 4  # they hold the model already
+    assert carried(runs["false"][0], 2) == carried(runs["false"][0], 3) == [1] * 4
+    assert all(r["channel.advance_seconds"] > 0 for r in server.rows[1:3]) and "channel.advance_seconds" not in server.rows[3]
+    for a, b in zip(_global_model(grid, server, state), _global_model(*runs["false"][:3])):
+        np.testing.assert_array_equal(a, b)
+    timing = lambda row: {k: v for k, v in row.items() if "seconds" not in k and "obfuscators" not in k}  # noqa: E731
+    assert [timing(r) for r in server.rows] == [timing(r) for r in runs["false"][1].rows]
 
 
 def test_packed_and_per_element_decrypt_to_the_same_aggregate(small_cfg):
@@ -505,7 +569,7 @@ class TamperPayload:
         elif how == "total-weight-max":
             payload = _rewrite(payload, total_weight=h.max_total_weight)
         elif how == "value-bits":
-            payload = _rewrite(payload, bits=12)
+            payload = _rewrite(payload, bits=h.bits - 4)
         elif how == "key-bits":
             payload = _rewrite(payload, key_bits=h.key_bits + 2)
         elif how == "count":
@@ -550,7 +614,8 @@ def test_each_hostile_payload_is_its_clients_failure_and_the_rest_aggregate(smal
     honest = f"client.flower_mods=[{{name=\"test-drop\", clients={sorted(HOSTILE)}}}]"
     expected, _ = _plain_round(small_cfg, tmp_path, *sets[2:], honest)
     got, clip = _decrypt_head(grid, server, state)
-    assert clip == 0.5 and float(np.max(np.abs(got - expected))) <= 0.5 * clip / 32767 + 1e-7
+    step = server.engine.channel.quantizer.max_int
+    assert clip == 0.5 and float(np.max(np.abs(got - expected))) <= 0.5 * clip / step + 1e-7
 
 
 def test_a_bad_range_exponent_or_a_dropout_fails_alone_under_the_automatic_clip(small_cfg, tmp_path, test_mods):
@@ -563,21 +628,106 @@ def test_a_bad_range_exponent_or_a_dropout_fails_alone_under_the_automatic_clip(
     expected, updates = _plain_round(small_cfg, tmp_path, 'client.flower_mods=[{name="test-drop", clients=[1, 2]}]')
     got, clip = _decrypt_head(grid, server, state)
     assert clip == 2.0 ** range_exponent(np.concatenate(updates))  # from the clients that answered
-    assert float(np.max(np.abs(got - expected))) <= 0.5 * clip / 32767 + 1e-7
+    assert float(np.max(np.abs(got - expected))) <= 0.5 * clip / server.engine.channel.quantizer.max_int + 1e-7
 
 
 @pytest.mark.ray
 def test_paillier_fedavg_on_ray_matches_plain_fedavg(small_cfg, tmp_path):
     """seed 003 Table 4.3 shape: FedAvg with the Paillier channel on the real Ray simulation against plain
-    FedAvg (in-process: the two backends give identical metrics for a seed, see test_simulation_ray.py)."""
+    FedAvg (in-process: the two backends give identical metrics for a seed, see test_simulation_ray.py).
+    The run checkpoints every round, and the server process (this one: the clients are Ray actors) never
+    reads a byte of the clients' mirrored state, which holds their private keys."""
     sets = ("federation.rounds=3", "federation.num_clients=3", "train.lr=0.05")
     plain = run_experiment(small_cfg(*sets), out=tmp_path / "plain", progress=False)
-    enc = run_experiment(small_cfg(*sets, *paillier(), 'simulation.backend="ray"'), out=tmp_path / "enc",
-                         progress=False)
+    with _StateFileReads() as watch:
+        enc = run_experiment(small_cfg(*sets, *paillier(), 'simulation.backend="ray"'), out=tmp_path / "enc",
+                             progress=False)
+    assert json.loads((enc / "summary.json").read_text())["checkpoint"] == "after every round"
+    assert watch.reads == []
     a = read_jsonl(plain / "metrics.jsonl")[-1]["accuracy"]
     b = read_jsonl(enc / "metrics.jsonl")[-1]
     assert b["evaluated_by"].startswith("client ")
     assert abs(a - b["accuracy"]) <= 0.005, (a, b["accuracy"])
+
+
+# ------------------------------------------------------------------------- client-state files and the server
+class _StateFileReads:
+    """Every opening for reading of a mirrored client-state file (``client-state/p<k>-r<r>.bin``) in this
+    process while active, through ``open``/``io.open`` (``Path.read_bytes``, ``np.load``, ...) or
+    ``os.open``: ``(path, client_side)``, ``client_side`` when a frame of the ClientApp (fedsim/app/client.py
+    or clients/) is on the stack - in-process clients run in the server's process; on Ray any read here is
+    the server's."""
+
+    _NAME = re.compile(r"^p\d+-r\d+\.bin$")
+
+    def __init__(self):
+        self.reads: list[tuple[str, bool]] = []
+        self.paused = False
+        self._patch = pytest.MonkeyPatch()
+
+    def __enter__(self):
+        real_open, real_os_open = builtins.open, os.open
+
+        def watched_open(file, mode="r", *args, **kw):
+            if "r" in mode or "+" in mode:
+                self._note(file)
+            return real_open(file, mode, *args, **kw)
+
+        def watched_os_open(path, flags, *args, **kw):
+            if flags & os.O_ACCMODE in (os.O_RDONLY, os.O_RDWR):
+                self._note(path)
+            return real_os_open(path, flags, *args, **kw)
+
+        for module, name, fn in ((builtins, "open", watched_open), (io, "open", watched_open),
+                                 (os, "open", watched_os_open)):
+            self._patch.setattr(module, name, fn)
+        return self
+
+    def __exit__(self, *exc):
+        self._patch.undo()
+
+    def _note(self, file):
+        if self.paused or not isinstance(file, (str, bytes, os.PathLike)):
+            return
+        path = pathlib.Path(os.fsdecode(file))
+        if path.parent.name != "client-state" or not self._NAME.match(path.name):
+            return
+        frame, client = sys._getframe(2), False
+        while frame is not None and not client:
+            where = pathlib.PurePath(frame.f_code.co_filename).parts
+            client = where[-3:] == ("fedsim", "app", "client.py") or "clients" in where[-2:-1]
+            frame = frame.f_back
+        self.reads.append((str(path), client))
+
+    @property
+    def server_side(self) -> list[str]:
+        return [p for p, client in self.reads if not client]
+
+    @property
+    def client_side(self) -> list[str]:
+        return [p for p, client in self.reads if client]
+
+
+def test_the_state_file_watch_sees_every_way_of_reading(tmp_path):
+    """The watch the resume tests below rely on: reads through ``Path.read_bytes``, ``open``, ``np.load``'s
+    ``open`` and ``os.open`` are seen (as not the client's), other files and writes are not."""
+    folder = tmp_path / "client-state"
+    folder.mkdir()
+    state, other = folder / "p3-r12.bin", folder / "p3-r12.bin.sha256"
+    state.write_bytes(b"secret")
+    other.write_text("0" * 64)
+    with _StateFileReads() as watch:
+        state.read_bytes()
+        with open(state, "rb") as fh:
+            fh.read()
+        os.close(os.open(state, os.O_RDONLY))
+        with pytest.raises(ValueError):
+            np.load(state, allow_pickle=False)
+        other.read_text()
+        with open(folder / "p4-r1.bin", "wb") as fh:
+            fh.write(b"written, not read")
+    state.read_bytes()  # after the watch
+    assert watch.server_side == [str(state)] * 4 and watch.client_side == []
 
 
 # ------------------------------------------------------------------------------------------- resume
@@ -586,7 +736,9 @@ def test_an_encrypted_run_resumes_exactly(channel, small_cfg, tmp_path, monkeypa
     """issue 27: interrupted in round 3 of 3, a Paillier (update chain, automatic clip) or CKKS run resumes
     from its checkpoint - the server's ciphertexts, public key and holders; the clients' keys and models from
     the client-state mirror - and ends with the uninterrupted run's metrics (Paillier: exactly; CKKS: up to
-    its encryption noise, fresh in every run). The checkpoint holds no secret."""
+    its encryption noise, fresh in every run). The checkpoint holds no secret, and no server-side code reads
+    the clients' mirrored state (their private keys): the checkpoint records the digests the clients wrote
+    beside their files, and the resume check hashes the files in a separate process."""
     from test_reliability import _interrupt_in_training
 
     from fedsim.checkpoint import CHECKPOINT, read_checkpoint
@@ -596,18 +748,22 @@ def test_an_encrypted_run_resumes_exactly(channel, small_cfg, tmp_path, monkeypa
     ref = run_experiment(cfg, out=tmp_path / "reference", progress=False)
     out = tmp_path / "run"
     fired = _interrupt_in_training(monkeypatch, 3)
-    with pytest.raises(RunInterrupted):
-        run_experiment(cfg, out=out, progress=False)
-    assert fired
-    ckpt = read_checkpoint(out / CHECKPOINT)
-    assert ckpt.round == 2 and len(ckpt.arrays) == 1 and ckpt.arrays[0].dtype == np.uint8  # ciphertexts
-    st = {}
-    for f in (out / "client-state").iterdir():  # the clients' secret keys live in their mirrored state only
-        st.update({k: v for k, v in _mirrored_channel_state(f).items() if "private" in k})
-    assert st and not any(v in ckpt.arrays[0].tobytes() or v in json.dumps(ckpt.components, default=str).encode()
-                          for v in st.values())
-    monkeypatch.undo()
-    run_experiment(cfg, out=out, progress=False, resume=True)
+    with _StateFileReads() as watch:
+        with pytest.raises(RunInterrupted):
+            run_experiment(cfg, out=out, progress=False)
+        assert fired
+        ckpt = read_checkpoint(out / CHECKPOINT)
+        assert ckpt.round == 2 and len(ckpt.arrays) == 1 and ckpt.arrays[0].dtype == np.uint8  # ciphertexts
+        st = {}
+        watch.paused = True  # the test's own look into the clients' files
+        for f in (out / "client-state").glob("*.bin"):  # the clients' secret keys live in their mirrored state
+            st.update({k: v for k, v in _mirrored_channel_state(f).items() if "private" in k})
+        watch.paused = False
+        assert st and not any(v in ckpt.arrays[0].tobytes() or v in json.dumps(ckpt.components, default=str).encode()
+                              for v in st.values())
+        monkeypatch.undo()
+        run_experiment(cfg, out=out, progress=False, resume=True)
+    assert watch.server_side == [] and len(watch.client_side) >= 3  # the in-process clients restored theirs
     timing = ("seconds", "inline_obfuscators")
     rows_a, rows_b = read_jsonl(ref / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
     assert [r["round"] for r in rows_a] == [r["round"] for r in rows_b] == [0, 1, 2, 3]

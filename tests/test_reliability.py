@@ -152,11 +152,12 @@ def _read_until(proc: subprocess.Popen, pattern: re.Pattern) -> tuple[list[str],
 @pytest.mark.parametrize("how", ["SIGINT to the process group", "SIGTERM to the process"])
 def test_a_signal_stops_a_ray_run_within_seconds_and_the_run_resumes_exactly(how, tmp_path):
     """A real ``fedsim run`` on Ray in a subprocess: after round >= 1 the signal (a terminal's Ctrl-C
-    reaches Ray's processes too; SIGTERM only fedsim) ends it within 10 s with 128 + signal, no process of
-    its left, ``summary.json`` saying interrupted after the last round in ``metrics.jsonl``, a checkpoint of
-    that round. Resumed (SIGINT case, on the in-process backend: the results do not depend on the
-    backend; the client state the Ray actors mirrored is restored), the run ends exactly as an
-    uninterrupted one.
+    reaches Ray's processes too; SIGTERM only fedsim) ends it with 128 + signal - at once, counted in
+    rounds (no round completes after the one running when the signal came; the time is reported, not
+    asserted, so a loaded machine does not fail it) - no process of its left, ``summary.json`` saying
+    interrupted after the last round in ``metrics.jsonl``, a checkpoint of that round. Resumed (SIGINT
+    case, on the in-process backend: the results do not depend on the backend; the client state the Ray
+    actors mirrored is restored), the run ends exactly as an uninterrupted one.
 
     The signal is sent once the run prints round 2's progress line, which it does only after round 1's
     row and checkpoint are written - however long Ray takes to start on a loaded machine (it once took
@@ -176,23 +177,23 @@ def test_a_signal_stops_a_ray_run_within_seconds_and_the_run_resumes_exactly(how
             pass
         assert reached.is_set() and proc.poll() is None, "".join(lines)
         t0 = time.monotonic()
+        rows_at_signal = len((out / "metrics.jsonl").read_text().splitlines())  # rounds 0..k done: k + 1 rows
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)
         else:
             os.kill(proc.pid, sig)
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=300)  # a hang guard, not a speed limit: measured 4.5-7 s on a loaded 2-core machine
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-        took = time.monotonic() - t0
-        reader.join(30)  # the process has ended: the pipe is at its end
+        print(f"stopped {time.monotonic() - t0:.1f} s after the signal")
+        reader.join(60)  # the process has ended: the pipe is at its end (a wait, not an assertion)
         err = "".join(lines)
         assert proc.returncode == 128 + sig, err
-        assert took < 10, f"took {took:.1f} s to stop"  # measured 4.5-7 s on a loaded 2-core machine
         assert "Traceback" not in err and f"interrupted by {sig.name}" in err and "--resume" in err
         left = []
-        for _ in range(30):  # Ray's processes may take a moment to go
+        for _ in range(600):  # Ray's processes may take a moment to go (up to a minute on a loaded machine)
             left = _leftover_processes(proc.pid, str(ray_tmp))
             if not left:
                 break
@@ -203,6 +204,8 @@ def test_a_signal_stops_a_ray_run_within_seconds_and_the_run_resumes_exactly(how
         rows = read_jsonl(out / "metrics.jsonl")
         assert summary["status"] == "interrupted" and summary["stopped_by"] == sig.name
         assert summary["completed_round"] == rows[-1]["round"] >= 1 and len(rows) < 13
+        # the round running when the signal came (round k + 1) may have completed; no later one did
+        assert summary["completed_round"] <= rows_at_signal, (summary["completed_round"], rows_at_signal)
         assert [r["round"] for r in rows] == list(range(len(rows)))
         assert read_checkpoint(out / CHECKPOINT).round == summary["completed_round"]
         assert summary["resumable"] is True
@@ -441,12 +444,12 @@ def test_a_second_run_into_a_folder_in_use_fails_at_once(tmp_path):
     cmd = [sys.executable, "-m", "fedsim", "run", str(cfg_file), "--out", str(out), "--quiet"]
     first = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 600  # waits, not limits: generous for a loaded machine
         while not (out / "metrics.jsonl").exists() and time.monotonic() < deadline and first.poll() is None:
             time.sleep(0.05)
         assert first.poll() is None
         config_written = (out / "config.toml").stat().st_mtime_ns
-        second = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        second = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
         assert second.returncode == 2, second.stderr
         assert "in use by another fedsim process" in second.stderr and f"pid {first.pid}" in second.stderr
         assert "Traceback" not in second.stderr
@@ -454,7 +457,7 @@ def test_a_second_run_into_a_folder_in_use_fails_at_once(tmp_path):
         assert first.poll() is None
     finally:
         first.terminate()
-        first.communicate(timeout=60)
+        first.communicate(timeout=600)
     assert first.returncode == 143  # SIGTERM stops it cleanly
     assert json.loads((out / "summary.json").read_text())["status"] == "interrupted"
 
@@ -664,7 +667,7 @@ def test_bad_files_and_folders_exit_2_naming_them(case, tmp_path, monkeypatch, c
 
 
 # ================================================================ (6) bounded memory, (8) victims warned
-def test_any_local_steps_is_drawn_lazily():
+def test_any_local_steps_is_drawn_lazily(monkeypatch):
     """``local_steps = 10**12``: batches come one at a time (the first ones are those of a short schedule),
     and the scorer's ground truth stops as soon as it knows enough samples."""
     huge = Recipe(lr=0.1, batch_size=16, local_steps=10**12)
@@ -682,9 +685,19 @@ def test_any_local_steps_is_drawn_lazily():
                              "attack.max_truth=40"])
     server = CuriousServer.from_config(cfg)
     upd = ClientUpdate(round=1, client_id=0, node_id=1, num_examples=1, recipe=dict(huge.to_mapping()))
-    t0 = time.perf_counter()
+    import attacks.curious as curious
+
+    drawn = []
+
+    def counted(*a, **k):
+        for b in iter_batches(*a, **k):
+            drawn.append(len(b))
+            assert len(drawn) < 100, "the scorer keeps drawing batches"  # fails instead of running for ever
+            yield b
+
+    monkeypatch.setattr(curious, "iter_batches", counted)
     x, y = server.ground_truth(upd)
-    assert len(x) == 40 and time.perf_counter() - t0 < 5
+    assert len(x) == 40 and drawn == [16, 16, 16]  # three batches hold 40 distinct samples: it stopped there
 
 
 def test_victims_that_were_not_sampled_are_reported(tmp_path, small_cfg):

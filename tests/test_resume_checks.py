@@ -27,7 +27,7 @@ import fedsim.app.client as client_module
 from fedsim.app import load_config
 from fedsim.app.cli import main
 from fedsim.app.runner import run_experiment
-from fedsim.checkpoint import CHECKPOINT, read_checkpoint, write_checkpoint
+from fedsim.checkpoint import CHECKPOINT, CheckpointError, read_checkpoint, write_checkpoint
 from fedsim.components import ConfigError
 from fedsim.interrupt import RunInterrupted
 from fedsim.reports import read_jsonl
@@ -105,10 +105,11 @@ def refused(out: Path, capsys, *argv: str) -> str:
 
 def test_missing_or_damaged_client_state_is_refused(interrupted, tmp_path, capsys):
     out = copy(interrupted, tmp_path)
-    files = sorted((out / "client-state").iterdir())
+    files = sorted((out / "client-state").glob("*.bin"))
     assert [f.name for f in files] == ["p0-r1.bin", "p1-r1.bin", "p2-r1.bin"]
     recorded = read_checkpoint(out / CHECKPOINT).client_state
-    assert sorted(recorded) == [f.name for f in files] and all(len(d) == 64 for d in recorded.values())
+    assert sorted(recorded) == [f.name for f in files]
+    assert recorded == {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
 
     data = files[1].read_bytes()
     files[1].write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit
@@ -122,6 +123,32 @@ def test_missing_or_damaged_client_state_is_refused(interrupted, tmp_path, capsy
 
     shutil.rmtree(out / "client-state")
     assert f"client state {out / 'client-state' / 'p0-r1.bin'}" in refused(out, capsys)
+
+
+def test_the_clients_write_the_digests_and_refuse_a_damaged_state(tmp_path):
+    """The digest beside each state file is the SHA-256 of the bytes the client wrote (what the checkpoint
+    records, read without opening the state file); a state file without its digest is incomplete (not
+    listed); a client restoring a state whose bytes do not match its digest refuses it, naming the file."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fedsim.checkpoint import client_state_digests, restore_client_state, save_client_state
+
+    folder = tmp_path / "client-state"
+    folder.mkdir()
+    for p in (0, 1):
+        assert save_client_state(RecordDict({"k": ConfigRecord({"secret": f"client {p}"})}), folder, p, 2)
+    (folder / "p1-r3.bin").write_bytes(b"a client killed before its digest was written")
+    digests = client_state_digests(folder, upto=5)
+    assert digests == {f"p{p}-r2.bin": hashlib.sha256((folder / f"p{p}-r2.bin").read_bytes()).hexdigest()
+                       for p in (0, 1)}
+    (folder / "p0-r2.bin.sha256").write_text("not a digest")
+    assert client_state_digests(folder, upto=5)["p0-r2.bin"] == "invalid"
+    restored = RecordDict()
+    assert restore_client_state(restored, folder, 1, upto=5) and restored["k"]["secret"] == "client 1"
+    data = (folder / "p1-r2.bin").read_bytes()
+    (folder / "p1-r2.bin").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match=r"client state .*p1-r2.bin is damaged"):
+        restore_client_state(RecordDict(), folder, 1, upto=5)
 
 
 def test_resume_without_client_state_is_explicit_and_recorded(interrupted, tmp_path, capsys):
@@ -219,7 +246,7 @@ def test_gnu_timeout_signalling_the_process_group_stops_the_run_once(tmp_path):
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()
         os.kill(proc.pid, signal.SIGALRM)  # timeout's timer: it sends SIGINT to fedsim, then to the group
-        _, err = proc.communicate(timeout=120)
+        _, err = proc.communicate(timeout=600)  # a hang guard, not a speed limit (a loaded machine)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

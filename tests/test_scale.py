@@ -72,7 +72,8 @@ def test_discovery_timeout_is_configurable_and_the_error_names_how_many_register
     with pytest.raises(DiscoveryError, match=r"only 4 of the 6 client nodes .* registered within 0\.4 s "
                                              r"\(simulation\.discovery_timeout\)"):
         server.engine.discover(grid)
-    assert 0.4 <= time.monotonic() - t0 < 5  # waited the configured time, not the default 120 s
+    # waited the configured time, not the default 120 s (the upper bound is generous: a loaded machine)
+    assert 0.4 <= time.monotonic() - t0 < 60
     assert grid.calls >= 3  # it kept looking while waiting
 
 

@@ -25,7 +25,10 @@ def oneshot_config(args: argparse.Namespace) -> dict[str, Any]:
         cfg["simulation"]["threads"] = args.threads
     cfg["federation"].update(rounds=1, num_clients=args.clients, clients_per_round=1)
     cfg["data"]["dataset"] = args.dataset
-    cfg["model"].update(name=args.model, activation=args.activation, init=args.init)
+    from fedsim.models import MODELS
+
+    builtin = args.model in MODELS  # a user's model takes its own parameters (--set model.params=...)
+    cfg["model"].update(name=args.model, activation=args.activation if builtin else None, init=args.init)
     cfg["train"].update(lr=args.lr, batch_size=args.batch_size, local_steps=args.local_steps, local_epochs=None)
     cfg["output"]["observers"] = []
     cfg["simulation"]["backend"] = "inprocess"
@@ -86,13 +89,17 @@ def _attack(args: argparse.Namespace, stop: Any) -> int:
 
     cfg = oneshot_config(args)
     check_data(cfg)  # availability and partition errors before any folder exists
+    parent = Path(cfg["output"]["dir"])
+    parent_existed = parent.exists()
     try:
-        out = Path(args.out) if args.out else new_run_dir(cfg["output"]["dir"], cfg["name"])
+        out = Path(args.out) if args.out else new_run_dir(parent, cfg["name"])
     except OSError as exc:
         raise RunFolderError(f"cannot create an output folder in output.dir = {cfg['output']['dir']!r}: "
                              f"{exc.strerror or exc}") from None
     folder = open_run_folder(out, cfg, overwrite=args.overwrite)
     folder.created = folder.created or not args.out
+    if not args.out and not parent_existed:
+        folder.made_parent = parent
     try:
         if folder.action == "complete":
             print(f"[fedsim] {out} holds this attack, complete: nothing to do (--overwrite runs it again)")
@@ -100,10 +107,15 @@ def _attack(args: argparse.Namespace, stop: Any) -> int:
             run_oneshot(cfg, out, progress=not args.quiet, stop=stop)
     except BaseException as exc:
         done = (folder.path / "summary.json").exists()
-        if folder.created and not done:
-            folder.discard()
-        elif done and isinstance(exc, KeyboardInterrupt):
+        if done and isinstance(exc, KeyboardInterrupt):
             exc.run_dir = folder.path  # type: ignore[attr-defined]  # its summary says "interrupted"
+        else:  # a failed attack leaves nothing half-way: the folder goes (or is emptied, if it was there)
+            if folder.created:
+                folder.discard()
+            else:
+                folder.clear()
+            if isinstance(exc, Exception):
+                exc.nothing_written = True  # type: ignore[attr-defined]
         raise
     finally:
         folder.release()

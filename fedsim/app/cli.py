@@ -95,11 +95,15 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from fedsim.components import ConfigError
     from fedsim.reports import new_run_dir
 
+    out = Path(args.out) if args.out else None
     try:
-        out = Path(args.out) if args.out else new_run_dir("runs", "compare")
+        if out is None:
+            out = new_run_dir("runs", "compare", create=False)
         rows = compare(args.runs, out, title=args.title or ", ".join(Path(r).name for r in args.runs))
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    except OSError as exc:  # the output folder cannot be written
+        raise ConfigError(f"--out {str(out)!r}: {exc.strerror or exc}") from None
     cols = table_columns(rows)
     print(comparison_table(rows, cols, table_formats(cols)))
     print(f"[fedsim] comparison in {out}  (comparison.md, comparison.csv, comparison.png)")
@@ -290,17 +294,33 @@ def main(argv: list[str] | None = None) -> int:
                 runtime.abandon()
                 print(f"fedsim: error: {exc}", file=sys.stderr)
                 return 2
+            line = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
             run_dir = getattr(exc, "run_dir", None)
             if isinstance(exc, OSError) and exc.filename is not None:  # a disk that is full, read-only, gone
                 kept = f"; last completed round in {run_dir}/summary.json" if run_dir else "; nothing was kept"
                 print(f"fedsim: the run failed: cannot write {exc.filename}: {exc.strerror or exc}{kept}",
                       file=sys.stderr)
                 return 1
-            if run_dir is None:
-                raise  # not a run's failure: a bug, keep the traceback
-            line = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            print(f"fedsim: the run failed: {line} (traceback and last completed round in "
-                  f"{run_dir}/summary.json)", file=sys.stderr)
+            if run_dir is not None:
+                print(f"fedsim: the run failed: {line} (traceback and last completed round in "
+                      f"{run_dir}/summary.json)", file=sys.stderr)
+                return 1
+            # no traceback by default (one line, as for every other failure); --verbose (or
+            # FEDSIM_TRACEBACK=1 for the commands without it) shows it
+            import os
+
+            show = progress.verbose() or os.environ.get("FEDSIM_TRACEBACK", "") not in ("", "0")
+            if show:
+                import traceback
+
+                traceback.print_exc()
+            how = "--verbose" if hasattr(args, "quiet") else "FEDSIM_TRACEBACK=1"
+            hint = "" if show else f"; {how} shows the traceback"
+            if getattr(exc, "nothing_written", False):
+                print(f"fedsim: the {'attack' if args.command == 'attack' else 'run'} failed before completing a "
+                      f"round: {line} (nothing written{hint})", file=sys.stderr)
+            else:
+                print(f"fedsim: error: {line} (an unexpected error{hint})", file=sys.stderr)
             return 1
 
 

@@ -53,6 +53,7 @@ from fedsim.protocol import (
     EVAL_DATA,
     EVAL_EXAMPLES,
     EVAL_LOSS,
+    EVAL_SOURCE_ACCURACY,
     EXTRAS,
     FEDSIM_CONFIG,
     FINAL_TRAIN_LOSS,
@@ -77,7 +78,7 @@ from fedsim.protocol import (
     split_partition,
 )
 from fedsim.seams import ClientChannel
-from fedsim.training import Recipe, evaluate, local_train, resolve_device, set_weights
+from fedsim.training import Recipe, evaluate, local_train, resolve_device, set_weights, source_accuracies
 
 load_plugins()
 
@@ -288,15 +289,19 @@ def evaluate_global(msg: Message, context: Context) -> Message:
     cfg = config_of(msg)
     model = model_to_train(msg, cfg, adapts=False)
     set_weights(model, channel_for(cfg).decode(msg.content, context, template_of(model)))
+    device = resolve_device(cfg.get("device", "auto"))
+    per_source: list[float] = []
     if str(msg.content[CONFIG].get(EVAL_DATA, "test")) == "local":
         x, y = client_data(cfg, _partition_id(context))
     else:
         ds = dataset_for(cfg)
         x, y = ds.x_test, ds.y_test
-    loss, acc = evaluate(model, x, y, resolve_device(cfg.get("device", "auto")))
-    return Message(RecordDict({METRICS: MetricRecord({EVAL_LOSS: loss, EVAL_ACCURACY: acc,
-                                                      EVAL_EXAMPLES: len(y),
-                                                      PARTITION_ID: _partition_id(context)})}), reply_to=msg)
+        per_source = source_accuracies(model, ds, device)
+    loss, acc = evaluate(model, x, y, device)
+    metrics = {EVAL_LOSS: loss, EVAL_ACCURACY: acc, EVAL_EXAMPLES: len(y), PARTITION_ID: _partition_id(context)}
+    if per_source:
+        metrics[EVAL_SOURCE_ACCURACY] = per_source
+    return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 
 
 @client_app.evaluate(CROSS_VALIDATE_ACTION)

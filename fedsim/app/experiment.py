@@ -8,7 +8,9 @@ and every table has a quick row) and a
 ``NAME`` is a file or the stem of one in ``experiments/``. Re-running into the same ``--out`` skips
 the variants whose runs are complete. ``--publish DIR`` (e.g. ``docs/results``) copies the report
 and its figures to ``DIR/<name>/`` with the command, date and commit, and rewrites ``DIR/README.md``:
-every published experiment's claims, our numbers and whether they hold. The per-variant run folders
+every published experiment's claims, our numbers over the seeds, the interval and the verdict
+(:mod:`fedsim.claims`), then ``DIR/disagreements.md`` (hand-written). An experiment runs seeds 0, 1, 2
+unless its file or ``--seeds`` names others; ``--publish`` refuses fewer than three. The per-variant run folders
 are not published: the published report names them as plain text, relative to the run folder, instead
 of linking to them.
 """
@@ -119,27 +121,73 @@ def publish(run_dir: Path, dest_root: Path, name: str, argv: Sequence[str]) -> P
     return dest
 
 
+DISAGREEMENTS = "disagreements.md"  # hand-written, kept beside the index and included in it
+
+
 def write_results_index(root: Path) -> None:
-    """``root/README.md``: one section per published experiment: claim, our numbers, holds or not."""
-    lines = ["# Results\n", "Each folder holds an experiment's latest full report (`fedsim experiment NAME "
-             "--publish docs/results`), with its command, date and commit. The table lists every paper claim "
-             "the experiments check: what the paper says, what we measured, and whether it holds here. The "
-             "reports say why numbers differ (offline data, scale, CPU).\n",
-             "| experiment | claim | our numbers | holds |", "|---|---|---|---|"]
+    """``root/README.md``: every published experiment's claims with the numbers over seeds, the interval
+    that decided each, the seeds and the verdict; then ``root/disagreements.md`` (hand-written: where
+    fedsim and the papers disagree, and why) when it exists."""
+    from fedsim.claims import LEVEL, MIN_SEEDS, cell, verdict_of
+
+    rows, counts, legacy = [], {}, 0
     for d in sorted(p for p in root.iterdir() if (p / "meta.json").exists()):
         meta = json.loads((d / "meta.json").read_text())
         claims = json.loads((d / "claims.json").read_text()) if (d / "claims.json").exists() else []
         link = f"[{meta['title']}]({d.name}/report.md)"
         if not claims:
-            lines.append(f"| {link} | (tables only) | see report | - |")
+            rows.append(f"| {link} | (tables only) | see report | - | - | - |")
         for c in claims:
-            holds = "yes" if c["holds"] else ("no" if c["holds"] is False else "not measured")
-            lines.append(f"| {link} | {c['text']} | {c['ours']} | {holds} |")
+            v = verdict_of(c)
+            if "seeds" in c:
+                counts[v] = counts.get(v, 0) + 1
+                seeds = ", ".join(str(s) for s in c["seeds"])
+            else:  # published before claims were decided over seeds: one run, a plain comparison
+                legacy += 1
+                seeds = "1 (before seeds)"
+            text = c["text"] + (f" *(extension beyond the paper: {c['extension']})*" if c.get("extension") else "")
+            why = f": {c['why']}" if c.get("why") else ""
+            rows.append(f"| {link} | {cell(text)} | {cell(c['ours'])} | {cell(c.get('interval', '-'))} | {seeds} | "
+                        f"**{v}**{cell(why)} |")
+    plural = {"holds": "hold", "does not hold": "do not hold", "inconclusive": "inconclusive",
+              "not measured": "not measured"}
+    summary = ", ".join(f"{counts[v]} {v if counts[v] == 1 else plural[v]}" for v in plural if counts.get(v))
+    summary = (f"Verdicts over seeds: {summary}." if summary else "") + (
+        f"{' ' if summary else ''}{legacy} claim{'s' if legacy != 1 else ''} published before claims were "
+        "decided over seeds (seeds: *1 (before seeds)*): their holds / does not hold compares one run's two "
+        "numbers, without an interval, and is replaced when the experiment is re-published (`make results`)."
+        if legacy else "")
+    lines = ["# Results\n", "Each folder holds an experiment's latest full report (`fedsim experiment NAME "
+             "--publish docs/results`), with its command, date and commit. The table lists every paper claim "
+             "the experiments check: what the paper says, what we measured, and the verdict. The reports say "
+             "why numbers differ (offline data, scale, CPU).\n",
+             f"**How a claim is decided** (`fedsim/claims.py`): every variant runs once per seed (at least "
+             f"{MIN_SEEDS}); *ours* is the mean ± sample standard deviation over the seeds of each side; the "
+             f"*interval* is the {LEVEL:.0%} Student-t interval of the per-seed difference `value - than` (paired: "
+             "a seed gives both variants the same data split, initial model and client sampling), or of the "
+             "value's mean against a fixed number. The claim **holds** when the whole interval lies on the "
+             "claim's side of its bound, **does not hold** when it lies on the other side, and is "
+             "**inconclusive** when it straddles the bound, when fewer than "
+             f"{MIN_SEEDS} seeds ran, when a comparison without a margin ties in every seed (e.g. both at a ceiling of "
+             "1.0), or when "
+             "it compares two attacks that both failed in every seed (no reconstruction met the attack's "
+             "success line: `success_content` 0). Systematic-evaluation claims hold when they hold in every "
+             "seed. Each claim is tested on its own at 95% (no multiple-comparison correction). A claim "
+             "marked *extension* applies the paper's claim to a setting the paper did not test.\n",
+             "**Re-publishing** every experiment at seeds 0, 1, 2: `make results` (per experiment: `fedsim "
+             "experiment NAME --out runs/results/NAME --publish docs/results`; re-running it resumes an "
+             "interrupted experiment). Publish from a clean commit: the stamp names it.\n",
+             *([f"{summary}\n"] if summary else []),
+             "| experiment | claim | ours (mean ± std over seeds) | interval | seeds | verdict |",
+             "|---|---|---|---|---|---|", *rows]
+    if (root / DISAGREEMENTS).exists():
+        lines += ["", (root / DISAGREEMENTS).read_text().rstrip()]
     atomic_write_text(root / "README.md", "\n".join(lines) + "\n")
 
 
 def cmd_experiment(args: Any, shortcuts: Sequence[str], seeds: list[int] | None) -> int:
     from fedsim.app.sweep import run_sweep
+    from fedsim.claims import MIN_SEEDS
 
     if args.list:
         for stem, p in experiment_files().items():
@@ -158,6 +206,8 @@ def cmd_experiment(args: Any, shortcuts: Sequence[str], seeds: list[int] | None)
         out = args.resume
     if args.publish and (args.quick or args.only):
         raise ConfigError("--publish is for full-scale reports of every variant; drop --quick / --only")
+    if args.publish and seeds is not None and len(seeds) < MIN_SEEDS:
+        raise ConfigError(f"--publish decides the claims over >= {MIN_SEEDS} seeds; --seeds gives {len(seeds)}")
     run_dir = run_sweep(path, [*(args.set or []), *shortcuts], out=out, progress=not args.quiet,
                         only=args.only or [], seeds=seeds, overwrite=args.overwrite, quick=args.quick,
                         command=["fedsim", "experiment", args.name])

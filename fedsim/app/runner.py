@@ -77,11 +77,13 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
     model_for(cfg)  # architecture/data mismatches surface here too
     observers = build_observers(cfg) if observers is None else list(observers)
     made_here = False
+    parent = Path(cfg["output"]["dir"])
+    parent_existed = parent.exists()
     if out is None:
         if resume:
             raise RunFolderError("resuming needs the run folder (--resume DIR)")
         try:
-            run_dir = new_run_dir(cfg["output"]["dir"], cfg["name"])
+            run_dir = new_run_dir(parent, cfg["name"])
         except OSError as exc:
             raise RunFolderError(f"cannot create a run folder in output.dir = {cfg['output']['dir']!r}: "
                                  f"{exc.strerror or exc}") from None
@@ -96,6 +98,8 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
             run_dir.rmdir()
         raise
     folder.created = folder.created or made_here
+    if made_here and not parent_existed:
+        folder.made_parent = parent
     try:
         if folder.action == "complete":
             print(f"[fedsim] {run_dir} holds this run, complete: nothing to do (--overwrite runs it again)",
@@ -127,6 +131,8 @@ def run_experiment(cfg: dict[str, Any], out: str | Path | None = None, observers
         done = (read_summary(run_dir) or {}).get("completed_round")
         if folder.created and (done is None or done < 1):
             folder.discard()  # nothing of value: nothing half-way
+            if isinstance(exc, Exception):
+                exc.nothing_written = True  # type: ignore[attr-defined]  # the CLI says so, in one line
         elif isinstance(exc, Exception) and not isinstance(exc, RunFolderError):
             exc.run_dir = run_dir  # type: ignore[attr-defined]  # the CLI names the folder
         raise

@@ -51,7 +51,7 @@ from fedsim.checkpoint import (
     CLIENT_STATE,
     Checkpoint,
     CheckpointError,
-    DigestCache,
+    client_state_digests,
     config_identity,
     keep_client_states,
     metrics_prefix,
@@ -90,7 +90,15 @@ from fedsim.reports import (
 from fedsim.rounds import RoundContext, RoundEngine, RoundRecord, sample_partitions
 from fedsim.runfolder import read_summary
 from fedsim.seams import ModelSpec
-from fedsim.training import derive_seed, evaluate, get_weights, resolve_device, seed_everything, set_weights
+from fedsim.training import (
+    derive_seed,
+    evaluate,
+    get_weights,
+    resolve_device,
+    seed_everything,
+    set_weights,
+    source_accuracies,
+)
 
 log = logging.getLogger("fedsim")
 
@@ -195,7 +203,6 @@ class Server:
         self.prior_seconds = resume.seconds if resume is not None else 0.0
         self.resumed = [*resume.resumed, resume.round] if resume is not None else []
         self.client_state_dropped = list(resume.client_state_dropped) if resume is not None else []
-        self._digests = DigestCache()
         self._t_start = time.perf_counter()
 
     # ---- the round-end step ----------------------------------------------------------------------------
@@ -204,13 +211,19 @@ class Server:
         if arrays is not None:
             set_weights(self.eval_model, arrays)
             loss, acc = evaluate(self.eval_model, self.ds.x_test, self.ds.y_test, self.device)
-            return {"accuracy": acc, "loss": loss, "evaluated_by": "server"}
+            return {"accuracy": acc, "loss": loss, "evaluated_by": "server",
+                    **self._by_source(source_accuracies(self.eval_model, self.ds, self.device))}
         order = record.contributors or record.sampled or sorted(self.engine.partition_node)
         res = self.engine.evaluate_remote(grid, record.round, state, record, order)
         if res is None:
             return {"accuracy": None, "loss": None, "evaluated_by": "nobody (every evaluator failed)"}
-        loss, acc, p = res
-        return {"accuracy": acc, "loss": loss, "evaluated_by": f"client {p}"}
+        loss, acc, p, per_source = res
+        return {"accuracy": acc, "loss": loss, "evaluated_by": f"client {p}", **self._by_source(per_source)}
+
+    def _by_source(self, accuracies: Sequence[float]) -> dict[str, float]:
+        """``test.<source>_accuracy`` for a test set of several sources (synthetic-2d, ``data.styles``)."""
+        names = self.ds.source_names
+        return {f"test.{n}_accuracy": a for n, a in zip(names, accuracies)} if len(accuracies) == len(names) else {}
 
     def client_evaluate(self, grid: Grid, state: Any, record: RoundRecord) -> dict[str, Any]:
         """Client-side evaluation (``evaluate.client_fraction``): clients drawn from (seed, round)
@@ -305,7 +318,7 @@ class Server:
         ckpt = Checkpoint(round=rnd, identity=self.identity, arrays=list(engine.channel.checkpoint_arrays(state)),
                           components=components, rng=rng_state(), failures=list(engine.failures),
                           seconds=self.elapsed(), resumed=self.resumed, metrics_bytes=size, metrics_digest=digest,
-                          client_state=self._digests.digests(mirror, rnd),
+                          client_state=client_state_digests(mirror, rnd),  # (the clients' digests)
                           client_state_dropped=self.client_state_dropped)
         write_checkpoint(self.out / CHECKPOINT, ckpt)
         keep_client_states(mirror, ckpt.client_state)  # superseded files (and any a late client wrote) go
@@ -466,7 +479,8 @@ class Server:
                     obs.load_state(st)
             self.finish(self.committed, self.elapsed(), status=status, extra=extra)
         except Exception as exc:  # noqa: BLE001 - the original error matters more
-            log.error("could not write the summary of the %s run: %s", status, exc)
+            if self.completed:  # without a completed round the folder is discarded: nothing to say
+                log.error("could not write the summary of the %s run: %s", status, exc)
 
     def finish(self, state: Any, seconds: float, status: str = "completed",
                extra: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -11,7 +11,9 @@ against leakage when the runs were attacked).
 ``seeds = [0, 1, 2]`` (top level, or ``fedsim sweep --seeds 0,1,2``) repeats every variant once per
 seed (``seed`` replaced; folders ``<nn>-<label>-seed<s>``): the table then shows ``mean ± std``
 (sample standard deviation) of every column, ``sweep.jsonl`` has the means and ``<column>_std``, and
-``runs.jsonl`` / ``runs.csv`` one row per run.
+``runs.jsonl`` / ``runs.csv`` one row per run. A file with an ``[experiment]`` table runs seeds 0, 1, 2
+unless it names its own (its claims are decided over them, :mod:`fedsim.claims`); its ``--quick``
+variant runs one seed unless ``[quick] seeds`` names more.
 
     seeds = [0, 1]
 
@@ -34,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 from fedsim import progress as prog
 from fedsim.app import validate
+from fedsim.claims import check_claims
 from fedsim.comparison import (
     comparison_table,
     mean_std_rows,
@@ -53,7 +56,7 @@ from fedsim.config import (
 )
 from fedsim.export import write_csv
 from fedsim.reports import atomic_write_text, new_run_dir, write_jsonl
-from fedsim.tables import check_claims, check_report
+from fedsim.tables import check_report
 
 variant_row = run_row  # one run folder as a table row (fedsim.comparison.run_row)
 
@@ -66,6 +69,9 @@ def check_seeds(seeds: Any, where: str = "seeds") -> list[int]:
     return list(seeds)
 
 
+# an experiment's seeds unless its file names them (``seeds = [...]``) or ``--seeds`` does: its claims
+# are decided over at least three (fedsim.claims); ``--quick`` runs one seed unless ``[quick] seeds``
+EXPERIMENT_SEEDS = (0, 1, 2)
 VARIANT_META = ("label", "row", "col", "family")  # variant keys that describe it rather than configure it
 
 
@@ -136,6 +142,8 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
     p = Path(path)
     data = read_toml(p, "sweep file")
     seeds = check_seeds(data.pop("seeds")) if "seeds" in data else None
+    if seeds is None and "experiment" in data:  # an experiment decides its claims over seeds
+        seeds = list(EXPERIMENT_SEEDS)
     variants = data.pop("variants", None)
     experiment = data.pop("experiment", {})
     report = data.pop("report", None)
@@ -175,8 +183,8 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
         per_variant = {k: list(v) for k, v in q.get("variant_set", {}).items()}
         if not only and q.get("variants"):
             only = list(q["variants"])
-        if "seeds" in q:
-            seeds = check_seeds(q["seeds"], f"{p}: quick.seeds")
+        # a smoke test: one run per variant at the file's seed unless [quick] names seeds
+        seeds = check_seeds(q["seeds"], f"{p}: quick.seeds") if "seeds" in q else None
     elif quick_spec is not None:
         _check_quick(quick_spec, p, labels)
     unknown = [o for o in only if o not in labels]
@@ -401,15 +409,26 @@ def write_sweep_outputs(out_dir: Path, base: dict[str, Any], variants: Sequence[
     write_sweep_report(out_dir, base, rows, seeds, spec, extra)
 
 
-def experiment_rows(spec: SweepSpec, variants: Sequence[tuple[str, dict]],
+def experiment_runs(spec: SweepSpec, variants: Sequence[tuple[str, dict]],
                     run_dirs: dict[int, list[Path]]) -> list[dict[str, Any]]:
-    """One full row per variant that ran (mean over its seeds), with its ``row``/``col``/``family``."""
+    """One full row per run that completed (:func:`fedsim.comparison.run_row`), with its ``seed`` (from
+    the run's config) and the variant's ``row``/``col``/``family``: what the claims are decided on."""
     out = []
     for i, (label, _) in enumerate(variants):
-        dirs = run_dirs.get(i)
-        if not dirs:
-            continue
-        r = mean_std_rows(label, [run_row(label, d, full=True) for d in dirs])
+        meta = {k: v for k, v in spec.meta.get(label, {}).items() if v is not None}
+        for d in run_dirs.get(i, []):
+            seed = read_toml(Path(d) / "config.toml", "run config").get("seed", 0)
+            out.append({**run_row(label, d, full=True), "seed": seed, **meta})
+    return out
+
+
+def experiment_rows(spec: SweepSpec, runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per variant that ran: the mean (and ``<column>_std``) over its seeds' ``runs``, with its
+    ``row``/``col``/``family``."""
+    out = []
+    for label in dict.fromkeys(r["variant"] for r in runs):
+        mine = [r for r in runs if r["variant"] == label]
+        r = mean_std_rows(label, mine, [x["seed"] for x in mine] if len(mine) > 1 else ())
         out.append({**r, **{k: v for k, v in spec.meta.get(label, {}).items() if v is not None}})
     return out
 
@@ -417,18 +436,13 @@ def experiment_rows(spec: SweepSpec, variants: Sequence[tuple[str, dict]],
 def experiment_sections(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple[str, dict]],
                         run_dirs: dict[int, list[Path]]) -> list[str]:
     """The report's experiment sections (tables shaped like the paper's, systematic evaluation, claims)."""
-    from fedsim.tables import (
-        claims_markdown,
-        evaluate_claims,
-        paper_table,
-        plot_systematic,
-        systematic,
-        systematic_markdown,
-    )
+    from fedsim.claims import claims_markdown, evaluate_claims
+    from fedsim.tables import paper_table, plot_systematic, systematic, systematic_markdown
 
     if not (spec.report["tables"] or spec.report["systematic"] or spec.claims or spec.report.get("figures")):
         return []
-    rows = experiment_rows(spec, variants, run_dirs)
+    runs = experiment_runs(spec, variants, run_dirs)
+    rows = experiment_rows(spec, runs)
     text = experiment_figures(out_dir, spec, variants)
     for t in spec.report["tables"]:
         text += [f"## {t['title']}\n", paper_table(rows, t), ""]
@@ -444,7 +458,7 @@ def experiment_sections(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple
         text += [systematic_markdown(result, sys_spec, fig), ""]
         atomic_write_text(out_dir / "systematic.json", json.dumps(result, indent=1, default=str))
     if spec.claims:
-        results = evaluate_claims(spec.claims, rows, result, sys_spec)
+        results = evaluate_claims(spec.claims, runs, sys_spec)
         text += [claims_markdown(results), ""]
         atomic_write_text(out_dir / "claims.json", json.dumps(results, indent=1))
     return text
@@ -452,13 +466,13 @@ def experiment_sections(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple
 
 def experiment_figures(out_dir: Path, spec: SweepSpec, variants: Sequence[tuple[str, dict]]) -> list[str]:
     """``[[report.figures]]``: call each figure's ``draw(out_dir, configs)``; a section per figure drawn."""
-    from fedsim.components import resolve_reference
+    from fedsim.components import FIGURES
 
     configs = {label: cfg for label, cfg in variants}
     text = []
     for fig in spec.report.get("figures", []):
         try:
-            path = resolve_reference(fig["draw"], "report.figures.draw")(out_dir, configs)
+            path = FIGURES.lookup(fig["draw"], "report.figures.draw")(out_dir, configs)
         except Exception as exc:  # noqa: BLE001 - a figure that fails is noted, the report is still written
             text += [f"## {fig['title']}\n", f"Not drawn: {type(exc).__name__}: {exc}".splitlines()[0][:300], ""]
             continue
@@ -488,7 +502,11 @@ def write_sweep_report(out_dir: Path, base: dict[str, Any], rows: list[dict[str,
     if exp:
         head += [f"Paper: {exp['paper']}.\n" if exp.get("paper") else "",
                  f"Scale: {exp['scale']}\n" if exp.get("scale") else "",
-                 "**Quick variant** (`--quick`): a smoke-test scale; the numbers are not the experiment's.\n"
+                 f"Seeds: {', '.join(str(x) for x in seeds)} (every variant runs once per seed; the claims are "
+                 "decided over them)\n" if seeds and spec is not None and not spec.quick else "",
+                 "**Quick variant** (`--quick`): a smoke-test scale, "
+                 + (f"seeds {list(seeds)}" if seeds else "one seed")
+                 + "; the numbers are not the experiment's, and a claim needs three seeds to be decided.\n"
                  if spec is not None and spec.quick else "",
                  f"{exp['notes'].strip()}\n" if exp.get("notes") else ""]
     text = [*[h for h in head if h], *extra,

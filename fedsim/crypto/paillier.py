@@ -548,9 +548,10 @@ def _ciphertexts(payload: bytes, h: PayloadHeader) -> list[int]:
     return [int.from_bytes(view[i * w:(i + 1) * w], "big") for i in range(h.num_ciphertexts)]
 
 
-def read_ciphertexts(public_key: PublicKey, payload: bytes) -> tuple[PayloadHeader, list[int]]:
-    """:func:`verify` the payload, then return its header and ciphertexts."""
-    h = verify(public_key, payload)
+def read_ciphertexts(public_key: PublicKey, payload: bytes, *,
+                     num_values: int | None = None) -> tuple[PayloadHeader, list[int]]:
+    """:func:`verify` the payload, then return its header and ciphertexts (what :func:`combine_read` takes)."""
+    h = verify(public_key, payload, num_values=num_values)
     return h, _ciphertexts(payload, h)
 
 
@@ -567,8 +568,18 @@ def combine(public_key: PublicKey, payloads: Sequence[bytes], weights: Sequence[
     """
     if not payloads:
         raise ValueError("payloads: need at least one payload")
-    weights = _check_weights(weights, len(payloads))
-    parsed = [read_ciphertexts(public_key, p) for p in payloads]
+    _check_weights(weights, len(payloads))
+    return combine_read(public_key, [read_ciphertexts(public_key, p) for p in payloads], weights)
+
+
+def combine_read(public_key: PublicKey, parsed: Sequence[tuple[PayloadHeader, Sequence[int]]],
+                 weights: Sequence[int]) -> bytes:
+    """:func:`combine` of payloads already verified and read by :func:`read_ciphertexts` (each payload is
+    checked once, when it arrives, however often it is combined); the same checks of layout, size and
+    total weight, the same result."""
+    if not parsed:
+        raise ValueError("payloads: need at least one payload")
+    weights = _check_weights(weights, len(parsed))
     h0 = parsed[0][0]
     for i, (h, _) in enumerate(parsed[1:], start=1):
         for name in _SAME:

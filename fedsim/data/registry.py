@@ -36,6 +36,10 @@ class Dataset:
     # the source each training sample was drawn from (datasets with natural client splits, e.g.
     # synthetic-2d); ``data.partition = "natural"`` gives each client its own source
     sources: torch.Tensor | None = None
+    # the source of each test sample and the sources' names (per-source test accuracy,
+    # ``test.<name>_accuracy``): synthetic-2d's two sources, or ``data.styles`` (fedsim.data.styles)
+    test_sources: torch.Tensor | None = None
+    source_names: tuple[str, ...] = ()
 
     @property
     def in_shape(self) -> tuple[int, ...]:
@@ -230,7 +234,8 @@ def _load_synthetic_2d(data_dir: str | None, download: bool, root_size: int) -> 
     root, tr = tr[:min(root_size, 100)], tr[min(root_size, 100):]
     t = lambda i: torch.from_numpy(x[i])  # noqa: E731
     return Dataset("synthetic-2d", t(tr), _labels(y[tr]), t(te), _labels(y[te]), t(root), _labels(y[root]), 2,
-                   kind="tabular", class_names=("class 0", "class 1"), sources=torch.from_numpy(s[tr]))
+                   kind="tabular", class_names=("class 0", "class 1"), sources=torch.from_numpy(s[tr]),
+                   test_sources=torch.from_numpy(s[te]), source_names=("wide", "tight"))
 
 
 @dataclass(frozen=True)
@@ -285,11 +290,23 @@ def dataset_status(data_dir: str | None = None) -> list[tuple[str, bool, str, st
 
 
 def _tensor(a: Any, what: str, dtype: torch.dtype) -> torch.Tensor:
-    t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
+    """A user dataset's array as a tensor: inputs (N, ...) as float32, labels (N,) as int64; anything else
+    (strings, objects, ragged lists, wrong ranks) is a ValueError naming ``what``."""
+    try:
+        t = a if isinstance(a, torch.Tensor) else torch.as_tensor(np.asarray(a))
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{what} must be a numeric array or tensor, got {type(a).__name__} "
+                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    if t.dtype.is_complex:
+        raise ValueError(f"{what} must be a real numeric array, got dtype {t.dtype}")
     if dtype is torch.int64:
         if t.is_floating_point() or t.dtype == torch.bool:
             raise ValueError(f"{what} must hold integer class labels, got dtype {t.dtype}")
+        if t.ndim != 1:
+            raise ValueError(f"{what} must be one label per example (N,), got shape {tuple(t.shape)}")
         return t.to(torch.int64)
+    if t.ndim < 2:
+        raise ValueError(f"{what} must be (N, features) or (N, C, H, W) inputs, got shape {tuple(t.shape)}")
     return t.to(torch.float32)
 
 
@@ -311,8 +328,12 @@ def dataset_from(obj: Any, name: str, root_size: int) -> Dataset:
     missing = [k for k in ("x_train", "y_train", "x_test", "y_test") if k not in obj]
     if missing:
         raise ValueError(f"data.dataset {name!r} returned a mapping without {missing}")
-    x_tr, y_tr = _tensor(obj["x_train"], "x_train", torch.float32), _tensor(obj["y_train"], "y_train", torch.int64)
-    x_te, y_te = _tensor(obj["x_test"], "x_test", torch.float32), _tensor(obj["y_test"], "y_test", torch.int64)
+
+    def tensor(key: str, dtype: torch.dtype) -> torch.Tensor:
+        return _tensor(obj[key], f"data.dataset {name!r}: {key}", dtype)
+
+    x_tr, y_tr = tensor("x_train", torch.float32), tensor("y_train", torch.int64)
+    x_te, y_te = tensor("x_test", torch.float32), tensor("y_test", torch.int64)
     if len(x_tr) != len(y_tr) or len(x_te) != len(y_te):
         raise ValueError(f"data.dataset {name!r}: x and y differ in length (train {len(x_tr)} vs {len(y_tr)}, "
                          f"test {len(x_te)} vs {len(y_te)})")
@@ -320,7 +341,7 @@ def dataset_from(obj: Any, name: str, root_size: int) -> Dataset:
         raise ValueError(f"data.dataset {name!r}: train and test inputs differ in shape "
                          f"({tuple(x_tr.shape[1:])} vs {tuple(x_te.shape[1:])})")
     if "x_root" in obj and "y_root" in obj:
-        x_r, y_r = _tensor(obj["x_root"], "x_root", torch.float32), _tensor(obj["y_root"], "y_root", torch.int64)
+        x_r, y_r = tensor("x_root", torch.float32), tensor("y_root", torch.int64)
     else:
         if root_size >= len(y_tr):
             raise ValueError(f"data.root_size={root_size} must be smaller than {name!r}'s training set ({len(y_tr)})")
@@ -330,7 +351,13 @@ def dataset_from(obj: Any, name: str, root_size: int) -> Dataset:
     labels = torch.cat([y_tr, y_te])
     if len(labels) and int(labels.min()) < 0:
         raise ValueError(f"data.dataset {name!r}: labels must be >= 0")
-    num_classes = int(obj.get("num_classes") or (int(labels.max()) + 1 if len(labels) else 0))
+    if x_r.shape[1:] != x_tr.shape[1:] or len(x_r) != len(y_r):
+        raise ValueError(f"data.dataset {name!r}: x_root/y_root must be {len(x_r)} inputs of shape "
+                         f"{tuple(x_tr.shape[1:])} with one label each, got {tuple(x_r.shape)} and {len(y_r)} labels")
+    given = obj.get("num_classes")
+    if given is not None and (isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 1):
+        raise ValueError(f"data.dataset {name!r}: num_classes must be a positive integer, got {given!r}")
+    num_classes = int(given or (int(labels.max()) + 1 if len(labels) else 0))
     if len(labels) and int(labels.max()) >= num_classes:
         raise ValueError(f"data.dataset {name!r}: a label is >= num_classes ({num_classes})")
     kind = str(obj.get("kind") or ("image" if x_tr.ndim == 4 else "tabular"))
@@ -351,14 +378,19 @@ def check_finite(ds: Dataset) -> Dataset:
 
 @lru_cache(maxsize=8)
 def load_dataset(name: str, data_dir: str | None = None, download: bool = False,
-                 root_size: int = 100, params: str = "{}") -> Dataset:
-    """Load a dataset (cached per process: every client actor loads it once).
+                 root_size: int = 100, params: str = "{}", styles: tuple[str, ...] = ()) -> Dataset:
+    """Load a dataset (cached per process: every client actor loads it once); ``styles``
+    (``data.styles``): the dataset drawn in one style per source (:mod:`fedsim.data.styles`).
 
     A built-in name (:data:`DATASETS`), or a user's dataset: registered in
     :data:`fedsim.components.DATASETS` or an import reference (``"mypkg.data:load"``,
     ``"path/to/file.py:load"``) to a function (or class) that takes ``data_dir``, ``download``,
     ``root_size`` when it declares them and ``[data] params`` (``params``: their JSON text), and returns
     what :func:`dataset_from` accepts."""
+    if styles:
+        from fedsim.data.styles import with_styles
+
+        return with_styles(load_dataset(name, data_dir, download, root_size, params), styles)
     if data_dir is not None:
         data_dir = os.path.expanduser(str(data_dir))
     if name not in DATASETS:

@@ -11,6 +11,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from fedsim import components as _components
+
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "sigmoid": nn.Sigmoid,
     "tanh": nn.Tanh,
@@ -187,6 +189,7 @@ class MLP(nn.Module):
 
 
 MODELS = ("lenet", "lenet5", "convnet", "resnet20", "resnet32", "resnet18", "mlp")
+_components.MODELS.base = nn.Module  # a reference in model.name names an nn.Module subclass (or a function of yours)
 BUILTIN_ONLY = ("activation", "norm", "width", "hidden")  # [model] keys of the built-in models
 
 

@@ -44,6 +44,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+# the server transform that imprints the model it sends (strategies/robbing.py); attack.name "robbing" needs it
+IMPRINT_TRANSFORM = "robbing-imprint"
 MEASUREMENTS = ("brightness", "random")
 
 

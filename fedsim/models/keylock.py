@@ -54,6 +54,9 @@ KEY = "keylock_key"
 GAMMA = "keylock_gamma"
 BETA = "keylock_beta"
 DEFAULT_KEY_LENGTH = 1024
+# upper bound of key_length: 64 x the thesis's 1024. Each locked block holds 2 x key_length x C lock
+# weights (C its channels); a key of 1e11 values would be a 745 GiB allocation on every client
+MAX_KEY_LENGTH = 65536
 DEFAULT_BLOCKS = "first"
 # reply arrays of the lock-leak ablation (clients/fedkl.py ``leak_lock = true``): never sent otherwise
 LEAK_START = "ablation.fedkl.lock-start."
@@ -68,6 +71,15 @@ def _derive(*parts: int) -> int:
     from fedsim.training import derive_seed
 
     return derive_seed(*parts)
+
+
+def check_key_length(key_length: Any) -> int:
+    """``key_length`` as an int in [1, :data:`MAX_KEY_LENGTH`]; ValueError naming it otherwise."""
+    if isinstance(key_length, bool) or not isinstance(key_length, (int, np.integer)) or \
+            not 1 <= key_length <= MAX_KEY_LENGTH:
+        raise ValueError(f"key_length must be an integer in [1, {MAX_KEY_LENGTH}] (the thesis uses 1024; the lock "
+                         f"layers hold 2 x key_length x channels weights per locked block), got {key_length!r}")
+    return int(key_length)
 
 
 def is_private(name: str) -> bool:
@@ -98,9 +110,7 @@ class KeyLockNorm(StatisticsNorm):
     def __init__(self, num_features: int, key_length: int = DEFAULT_KEY_LENGTH, eps: float = 1e-5,
                  momentum: float | None = 0.1, track_running_stats: bool = True, activation: str = "none"):
         super().__init__(num_features, eps, momentum, track_running_stats)
-        if key_length < 1:
-            raise ValueError(f"key_length must be an integer >= 1, got {key_length}")
-        self.key_length = int(key_length)
+        self.key_length = key_length = check_key_length(key_length)
         self.register_buffer(KEY, torch.zeros(key_length))
         self.keylock_gamma = nn.Linear(key_length, num_features)
         self.keylock_beta = nn.Linear(key_length, num_features)
