@@ -170,12 +170,16 @@ IMAGES = [0, 37, 74, 111, 148]
 
 
 def test_idlg_recovers_batch1_images():
-    """DLG with iDLG labels on the sigmoid LeNet, 300 L-BFGS steps: measured PSNR 72.5, 59.9, 79.8,
-    39.0, 77.6 dB (SSIM >= 0.99 on all); over 16 images 14 exceed 40 dB."""
+    """DLG with iDLG labels on the sigmoid LeNet, 300 L-BFGS steps, the five victims of one round (one
+    global model) attacked as one stack (``run_many``, as the curious server does; about 3x faster than
+    one by one, tests/test_attacks_strong.py checks the two agree): measured PSNR 71.0, 65.2, 75.4,
+    63.7, 67.0 dB, SSIM 1.000 on all. (One by one, each on its own global model: 72.5, 59.9, 79.8, 39.0,
+    77.6 dB; over 16 images 14 exceed 40 dB.)"""
+    victims = [make_victim([i], seed=0) for i in IMAGES]
+    results = build_attack("idlg", iterations=300).run_many([v[0] for v in victims])
+    assert [r.trace["group_size"] for r in results] == [len(IMAGES)] * len(IMAGES)
     good = 0
-    for k, i in enumerate(IMAGES):
-        inp, xb, yb, _ = make_victim([i], seed=k)
-        res = build_attack("idlg", iterations=300).run(inp)
+    for res, (_, xb, yb, _) in zip(results, victims):
         check_result(res, 1)
         sc = score(res, xb, yb)
         assert sc["label_acc"] == 1.0
