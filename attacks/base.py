@@ -88,7 +88,7 @@ class Attack:
         """Attack several victims' updates (e.g. every victim of a round); results in input order.
 
         Attacks that can (``batchable()``) stack the inputs that share the global model, recipe and
-        shapes (:func:`attacks.batched.group_inputs`, at most ``max_group`` per stack) into one batched
+        shapes (:func:`group_inputs`, at most ``max_group`` per stack) into one batched
         optimisation (``run_group``); the results equal those of ``run`` on each input up to
         floating-point rounding. Other inputs and attacks run one by one. In a stacked result
         ``trace["seconds"]`` is the stack's wall time divided by its size, ``trace["group_size"]`` the size.
@@ -99,8 +99,6 @@ class Attack:
             raise ValueError(f"max_group must be an integer >= 1 or None, got {max_group!r}")
         out: list[AttackResult | None] = [None] * len(inputs)
         if self.batchable() and len(inputs) > 1:
-            from .batched import group_inputs
-
             groups = group_inputs(inputs, max_group)
         else:
             groups = [[i] for i in range(len(inputs))]
@@ -127,3 +125,37 @@ ATTACKS.base = Attack
 def register(cls: type[Attack]) -> type[Attack]:
     """Class decorator: register an attack under its ``name`` (``[attack] name = ...``)."""
     return ATTACKS.register(cls)
+
+
+# ---------------------------------------------------------------- grouping (Attack.run_many)
+def _same_state(a: AttackInput, b: AttackInput) -> bool:
+    if a.global_state is b.global_state:
+        return True
+    if list(a.global_state) != list(b.global_state):
+        return False
+    return all(a.global_state[k] is b.global_state[k] or
+               (a.global_state[k].shape == b.global_state[k].shape and torch.equal(a.global_state[k],
+                                                                                   b.global_state[k]))
+               for k in a.global_state)
+
+
+def _compatible(a: AttackInput, b: AttackInput) -> bool:
+    return (tuple(a.input_shape) == tuple(b.input_shape) and a.num_classes == b.num_classes
+            and a.batch_size == b.batch_size and a.bounds == b.bounds
+            and torch.device(a.device) == torch.device(b.device)
+            and dict(a.recipe) == dict(b.recipe) and int(a.num_examples) == int(b.num_examples)
+            and _same_state(a, b))
+
+
+def group_inputs(inputs: Sequence[AttackInput], max_group: int | None = None) -> list[list[int]]:
+    """Indices of ``inputs`` partitioned into stackable groups (first-come order, at most ``max_group``
+    per group)."""
+    groups: list[list[int]] = []
+    for i, inp in enumerate(inputs):
+        for g in groups:
+            if (max_group is None or len(g) < max_group) and _compatible(inputs[g[0]], inp):
+                g.append(i)
+                break
+        else:
+            groups.append([i])
+    return groups

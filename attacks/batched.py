@@ -24,7 +24,7 @@ update each victim's entries exactly as they would alone. What differs from one-
 order of floating-point summations (dot products, grouped convolutions), i.e. rounding.
 
 Inputs can be stacked when they share the global weights, the recipe, the input shape, the class
-count, the batch size and the device (:func:`group_inputs`).
+count, the batch size and the device (:func:`attacks.base.group_inputs`).
 """
 from __future__ import annotations
 
@@ -41,40 +41,6 @@ from fedsim import progress
 
 from ._common import Stagnation, Target, prepare_target
 from .base import AttackInput
-
-
-# ---------------------------------------------------------------- grouping
-def _same_state(a: AttackInput, b: AttackInput) -> bool:
-    if a.global_state is b.global_state:
-        return True
-    if list(a.global_state) != list(b.global_state):
-        return False
-    return all(a.global_state[k] is b.global_state[k] or
-               (a.global_state[k].shape == b.global_state[k].shape and torch.equal(a.global_state[k],
-                                                                                   b.global_state[k]))
-               for k in a.global_state)
-
-
-def _compatible(a: AttackInput, b: AttackInput) -> bool:
-    return (tuple(a.input_shape) == tuple(b.input_shape) and a.num_classes == b.num_classes
-            and a.batch_size == b.batch_size and a.bounds == b.bounds
-            and torch.device(a.device) == torch.device(b.device)
-            and dict(a.recipe) == dict(b.recipe) and int(a.num_examples) == int(b.num_examples)
-            and _same_state(a, b))
-
-
-def group_inputs(inputs: Sequence[AttackInput], max_group: int | None = None) -> list[list[int]]:
-    """Indices of ``inputs`` partitioned into stackable groups (first-come order, at most ``max_group``
-    per group)."""
-    groups: list[list[int]] = []
-    for i, inp in enumerate(inputs):
-        for g in groups:
-            if (max_group is None or len(g) < max_group) and _compatible(inputs[g[0]], inp):
-                g.append(i)
-                break
-        else:
-            groups.append([i])
-    return groups
 
 
 # ---------------------------------------------------------------- stacked target
@@ -314,26 +280,36 @@ def batched_lbfgs_loop(variables: list[torch.Tensor],
             elif len(losses[v]) >= caps[v]:  # its budget is spent (stopped stays None)
                 stop.append(j)
         stack_tick(it + 1, iterations, [d for d, lo in zip(dv, lv) if math.isfinite(lo)], len(rows), V)
-        with torch.no_grad():
-            if better:
-                bj = torch.tensor(better, device=device)
-                bv = rows.index_select(0, bj)
-                for f, c in zip(final, cur):
-                    f.index_copy_(0, bv, c.detach().index_select(0, bj))
-            step = opt.direction(_flat(grads))
-            offset = 0
-            new = []
-            for c in cur:
-                n = c[0].numel()
-                new.append(c.detach() + step[:, offset:offset + n].view_as(c))
-                offset += n
-            cur = new
-            if stop:
-                keep = torch.tensor([j for j in range(len(rows)) if j not in set(stop)], dtype=torch.long,
-                                    device=device)
-                rows = rows.index_select(0, keep)
-                cur = [c.index_select(0, keep) for c in cur]
-                opt.keep(keep)
+        cur, rows = _advance(opt, final, cur, rows, grads, better, stop)
     traces = [{"loss": losses[v], "iterations": len(losses[v]), "converged_at": converged[v],
                "diverged": diverged[v], "stopped": stopped[v]} for v in range(V)]
     return final, traces
+
+
+@torch.no_grad()
+def _advance(opt: "BatchedLBFGS", final: list[torch.Tensor], cur: list[torch.Tensor], rows: torch.Tensor,
+             grads: Sequence[torch.Tensor], better: list[int], stop: list[int]
+             ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """One iteration's bookkeeping of :func:`batched_lbfgs_loop`: the stack positions in ``better`` keep
+    their current iterate as their best (in ``final``), every victim takes its L-BFGS step, and the
+    positions in ``stop`` leave the stack. Returns the new iterates and the victims still optimised."""
+    device = rows.device
+    if better:
+        bj = torch.tensor(better, device=device)
+        bv = rows.index_select(0, bj)
+        for f, c in zip(final, cur):
+            f.index_copy_(0, bv, c.detach().index_select(0, bj))
+    step = opt.direction(_flat(grads))
+    offset = 0
+    new = []
+    for c in cur:
+        n = c[0].numel()
+        new.append(c.detach() + step[:, offset:offset + n].view_as(c))
+        offset += n
+    cur = new
+    if stop:
+        keep = torch.tensor([j for j in range(len(rows)) if j not in set(stop)], dtype=torch.long, device=device)
+        rows = rows.index_select(0, keep)
+        cur = [c.index_select(0, keep) for c in cur]
+        opt.keep(keep)
+    return cur, rows

@@ -63,14 +63,17 @@ from fedsim.factories import client_data, dataset_for, model_for, partitions_for
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.protocol import LR
 from fedsim.rounds import sample_partitions
-from fedsim.training import Recipe, batch_schedule, derive_seed, iter_batches
+from fedsim.seeding import derive_seed
+from fedsim.training.batches import batch_schedule, iter_batches
+from fedsim.training.recipe import Recipe
 
-from .curious import select_truth
+from . import curious_client_report
 from .curious_client import invert_rows, invert_single, others_gradient, span_inversion
+from .leakage_figures import image_grid
+from .leakage_scoring import match_and_score
 from .membership import (
     AUDIT_COLUMNS,
     FEATURES,
-    TPR_KEYS,
     calibrated_scores,
     layer_features,
     loss_scores,
@@ -223,8 +226,6 @@ class CuriousClient(Observer):
         return torch.cat(xs), torch.cat(ys)
 
     def score(self, attack: str, rnd: int, recon: torch.Tensor, lr: float, extra: dict[str, Any]) -> dict[str, Any]:
-        from fedsim.metrics import score_reconstruction
-
         recipe = Recipe(lr, int(self.cfg["train"]["batch_size"]), local_steps=1)
         tx, ty = self.others_truth(rnd, recipe)
         flat_t = tx.reshape(len(tx), -1).double()
@@ -237,12 +238,11 @@ class CuriousClient(Observer):
         shape = tuple(dataset_for(self.cfg).in_shape)
         if len(shape) == 3 and len(recon):
             rx = recon.reshape(len(recon), *shape).float().clamp(0, 1)
-            sx, sy = select_truth(rx, tx.float(), ty)
-            s = score_reconstruction(rx, torch.zeros(len(rx), dtype=torch.long), sx, sy,
-                                     ssim_threshold=self.ssim_threshold)
+            s, sx, matched = match_and_score(rx, torch.zeros(len(rx), dtype=torch.long), tx.float(), ty,
+                                             ssim_threshold=self.ssim_threshold)
             row.update(psnr=s["psnr"], ssim=s["ssim"], mse=s["mse"], success_content=s["success_content"])
             if len(self._images) < 6:
-                self._images.append((f"{attack} r{rnd}", sx, rx[torch.as_tensor(s["assignment"])]))
+                self._images.append((f"{attack} r{rnd}", sx, matched))
         elif len(recon):  # tabular records: the squared error to the closest record
             row["mse"] = float(((flat_r[:, None, :] - flat_t[None, :, :]) ** 2).mean(2).amin(1).mean())
         return row
@@ -342,33 +342,7 @@ class CuriousClient(Observer):
     # ---- outputs ------------------------------------------------------------------------------------------
     def summary_rows(self) -> list[dict[str, Any]]:
         """One entry per attack for ``summary.json["client_leakage"]``; ``columns`` names what a sweep shows."""
-        def mean(rs, k):
-            vals = [r[k] for r in rs if r.get(k) is not None]
-            return float(np.mean(vals)) if vals else None
-
-        out = []
-        for attack in ("cc-invert", "cc-span"):
-            rs = [r for r in self.rows if r["attack"] == attack]
-            if rs:
-                out.append({"attack": attack, "attacks_run": len(rs),
-                            **{k: mean(rs, k) for k in ("exact", "psnr", "ssim", "mse", "success_content")},
-                            "columns": ["exact", "psnr", "ssim"]})
-        for f in self.features:
-            rs = [r for r in self.rows if r["attack"] == "cc-mia" and r["features"] == f]
-            if rs:
-                prev = [r for r in rs if r["calibration"] == "previous round"]
-                entry = {"attack": f"cc-mia-{f}", "asr": mean(prev, "asr"),
-                         **{k: mean(prev, k) for k in AUDIT_COLUMNS}, "columns": ["asr", "auc", TPR_KEYS[1e-2]]}
-                if self.adaptive:
-                    entry["asr_same_round"] = mean([r for r in rs if r["calibration"] == "same round"], "asr")
-                    entry["columns"].append("asr_same_round")
-                out.append(entry)
-        for attack in ("cc-loss", "cc-calibrated"):
-            rs = [r for r in self.rows if r["attack"] == attack]
-            if rs:
-                out.append({"attack": attack, **{k: mean(rs, k) for k in AUDIT_COLUMNS},
-                            "columns": ["auc", TPR_KEYS[1e-3], TPR_KEYS[1e-2]]})
-        return out
+        return curious_client_report.summary_rows(self)
 
     def on_finish(self) -> dict[str, Any]:
         if self.out is not None and self.rows:
@@ -381,72 +355,13 @@ class CuriousClient(Observer):
         assert self.out is not None
         write_jsonl(self.out / "client_leakage.jsonl", self.rows)
         if self._images:
-            self._write_grid()
+            pairs = [(k, t, r) for k, ts, rs in self._images for t, r in zip(ts, rs)][:12]
+            image_grid(pairs, "client's guess", self.out / "client_reconstruction.png")
         if self._curves:
             from .membership_server import plot_roc
 
             plot_roc(self._curves, self.out / "client_membership_roc.png",
                      f"curious client {self.client}: membership in the other clients' data")
 
-    def _write_grid(self, most: int = 12) -> None:
-        import matplotlib
-
-        from fedsim.reports import save_figure
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        pairs = [(k, t, r) for k, ts, rs in self._images for t, r in zip(ts, rs)][:most]
-        fig, axes = plt.subplots(2, len(pairs), figsize=(1.3 * len(pairs) + 0.6, 3.0), squeeze=False)
-        for j, (k, t, r) in enumerate(pairs):
-            for row, img in ((0, t), (1, r)):
-                arr = img.permute(1, 2, 0).numpy()
-                axes[row][j].imshow(arr.squeeze(-1) if arr.shape[-1] == 1 else arr, cmap="gray", vmin=0, vmax=1)
-                axes[row][j].set_xticks([])
-                axes[row][j].set_yticks([])
-            axes[0][j].set_title(k, fontsize=7)
-        axes[0][0].set_ylabel("truth")
-        axes[1][0].set_ylabel("client's guess")
-        save_figure(fig, self.out / "client_reconstruction.png")
-        plt.close(fig)
-
     def report_markdown(self) -> str:
-        from fedsim.reports import md_table
-
-        if not self.rows:
-            return ""
-        transforms = [t.get("name") for t in self.cfg.get("transforms") or []]
-        defence = "under the lossless perturbation" if "lossless-perturbation" in transforms else "without a defence"
-        inv = [r for r in self.rows if r["attack"] in ("cc-invert", "cc-span")]
-        mia = [r for r in self.rows if r["attack"] in ("cc-mia", "cc-loss", "cc-calibrated")]
-        text = [f"## Curious client (client {self.client}, {defence})\n",
-                "What one honest-but-curious client can learn from what it receives (seed 002 §3, §6.4): the "
-                "model sent to it every round, its own reply and data, the public partition sizes. Nothing from "
-                "other clients' replies is used; the other clients' records are used only to score.\n"]
-        if inv:
-            text += ["### Gradient inversion of the other clients' combined gradient\n",
-                     "From two consecutive models and its own gradient; `cc-invert`: analytic first-layer rows "
-                     "(`rows_agreeing` > 0) or the single-example guess; `cc-span`: the adaptive span attack. "
-                     f"`exact` = share of the victims' records recovered to max abs error <= {self.exact_tol}.\n",
-                     md_table(inv, ["round", "attack", "victims", "candidates", "exact", "psnr", "ssim", "mse",
-                                    "success_content", "seconds", "accuracy"],
-                              {"exact": ".2f", "psnr": ".2f", "ssim": ".3f", "mse": ".3g", "success_content": ".2f",
-                               "seconds": ".2f", "accuracy": ".4f"})]
-            if self._images:
-                text.append("![client reconstruction](client_reconstruction.png)\n")
-        if mia:
-            text += ["### Membership inference (§6.4.1)\n",
-                     "`cc-mia`: attack model on the chosen layer outputs + label, calibrated on records the client "
-                     "knows (its own training records: members; test records: non-members) with the model of the "
-                     "calibration round, scored on other clients' training records and unseen test records with the "
-                     "model of the attacked round (`asr`: balanced accuracy, chance 0.5; its scores: the attack "
-                     "model's logit). `cc-loss`: the attacked round's loss (Yeom et al.); `cc-calibrated`: its drop "
-                     "from the previous round's model (Watson et al.). AUC 0.5 is chance; TPR at 0.1% / 1% FPR with "
-                     "n scored non-members has resolution 1/n.\n",
-                     md_table(mia, ["round", "attack", "features", "calibration", "known", "scored", "asr",
-                                    "calibration_asr", *AUDIT_COLUMNS, "seconds", "accuracy"],
-                              {"asr": ".3f", "calibration_asr": ".3f", "auc": ".3f", TPR_KEYS[1e-3]: ".3f",
-                               TPR_KEYS[1e-2]: ".3f", "seconds": ".2f", "accuracy": ".4f"})]
-            if self._curves:
-                text.append("\n![membership ROC](client_membership_roc.png)\n")
-        return "\n".join(text)
+        return curious_client_report.report_markdown(self)

@@ -42,7 +42,7 @@ def local_step_count(recipe: Any, num_examples: int | None = None) -> int:
     """Number of local SGD steps a recipe makes.
 
     ``local_steps`` when set; otherwise ``local_epochs * ceil(num_examples / batch_size)`` (every
-    epoch keeps its last partial batch, as :func:`fedsim.training.batch_schedule` does).
+    epoch keeps its last partial batch, as :func:`fedsim.training.batches.batch_schedule` does).
     """
     r = _recipe_mapping(recipe)
     steps = r.get(LOCAL_STEPS)
@@ -75,7 +75,7 @@ def update_to_gradient(update: Mapping[str, torch.Tensor], recipe: Any, *,
     """Pseudo-gradient ``-update / (lr * steps)`` for every trainable parameter.
 
     ``update`` maps state-dict names to ``new - old`` weights; ``recipe`` is a
-    :class:`fedsim.training.Recipe` or its mapping. ``names`` restricts the result to those entries
+    :class:`fedsim.training.recipe.Recipe` or its mapping. ``names`` restricts the result to those entries
     (pass the names of ``model.named_parameters()`` to drop buffers); without it, entries that cannot
     be gradients (integer buffers such as ``num_batches_tracked``, ``running_*`` statistics) are
     dropped. For one local step this is the exact gradient; for several it is their average.
@@ -117,7 +117,7 @@ def select_names(names: Sequence[str], muted: Sequence[str] | None) -> list[str]
 def assumed_schedule(num_examples: int, recipe: Any) -> list[list[int]]:
     """The mini-batches of the candidate data an attack replays, in a fixed order.
 
-    Same shape as the client's :func:`fedsim.training.batch_schedule` (full batches in
+    Same shape as the client's :func:`fedsim.training.batches.batch_schedule` (full batches in
     ``local_steps`` mode, a trailing partial batch per epoch in ``local_epochs`` mode) but without
     its shuffling: the attacker does not know the client's permutation, and since the candidates are
     free variables any fixed order is as good as the true one.
@@ -154,7 +154,7 @@ def simulate_update(model: nn.Module, x: torch.Tensor, y: torch.Tensor, lr: floa
     the index lists of each local step (see :func:`assumed_schedule`). Every trainable parameter is
     stepped; the result holds ``names`` (default: all of them). With ``create_graph`` the result is
     differentiable with respect to ``x`` (and ``y`` when soft). ``momentum``, ``weight_decay`` and
-    ``proximal_mu`` replay the client's optimiser exactly (``fedsim.training.step_extended``).
+    ``proximal_mu`` replay the client's optimiser exactly (``fedsim.training.local.step_extended``).
     """
     params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
     buffers = {n: b.detach().clone() for n, b in model.named_buffers()}

@@ -60,7 +60,8 @@ class BNStatistics(Knowledge):
 
     def grant(self, inp: AttackInput, update: ClientUpdate) -> AttackInput:
         from fedsim.factories import client_data
-        from fedsim.training import Recipe, iter_batches
+        from fedsim.training.batches import iter_batches
+        from fedsim.training.recipe import Recipe
 
         from .bn_prior import batch_bn_stats
 

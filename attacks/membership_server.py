@@ -27,7 +27,7 @@ contributor's records; ``loss`` and ``calibrated`` only: a shadow of an aggregat
 every contributor); ciphertexts are not attacked.
 
 Truth (which records are members) comes from the scorer only, as for the reconstruction attacks: the
-victim's batches are a function of (seed, round, client) (``fedsim.training.iter_batches``).
+victim's batches are a function of (seed, round, client) (``fedsim.training.batches.iter_batches``).
 
 Config (an ``output.observers`` entry)::
 
@@ -57,9 +57,14 @@ import torch
 
 from fedsim import progress
 from fedsim.components import OBSERVERS
+from fedsim.device import resolve_device
 from fedsim.factories import client_data, dataset_for, model_for
+from fedsim.models.weights import set_weights
 from fedsim.observers import ClientUpdate, Observer
-from fedsim.training import Recipe, derive_seed, iter_batches, local_train, resolve_device, set_weights
+from fedsim.seeding import derive_seed
+from fedsim.training.batches import iter_batches
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 from .membership import (
     AUDIT_COLUMNS,
@@ -225,7 +230,7 @@ class CuriousServerMIA(Observer):
     def lira(self, t: _Target, x: torch.Tensor, y: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Shadow clients from the sent model, the victim's recipe and defenses, on balanced halves of the
         candidates; returns the scores and what the shadows mimicked."""
-        from fedsim.config import client_pipeline
+        from fedsim.build import client_pipeline
 
         recipe = Recipe.from_mapping({**self.cfg["train"], **t.recipe})
         gen = torch.Generator().manual_seed(derive_seed(self.seed, t.round, t.client, 0x11A))

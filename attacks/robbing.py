@@ -20,7 +20,6 @@ recovered images are returned in bin order, so they are not paired with their la
 """
 from __future__ import annotations
 
-import math
 import time
 from typing import Any, Mapping
 
@@ -111,9 +110,3 @@ class RobbingTheFed(Attack):
             "exact": steps == 1,
         }
         return finish(x, y, trace, t0)
-
-
-def expected_isolated(num_inputs: int, num_bins: int) -> float:
-    """Expected number of inputs alone in their bin when ``num_inputs`` fall uniformly into ``num_bins``
-    equally likely bins: ``n (1 - 1/k)^(n - 1)`` (Fowl et al.'s back-of-the-envelope rate)."""
-    return num_inputs * math.pow(1 - 1 / num_bins, num_inputs - 1)

@@ -1,6 +1,6 @@
 """Measurements behind docs/attacks.md for ``ig-bn``, ``ig-fr`` and ``robbing`` (larger than the tests).
 
-Every victim update comes from :func:`fedsim.training.local_train` on fmnist-small (seeded global model,
+Every victim update comes from :func:`fedsim.training.local.local_train` on fmnist-small (seeded global model,
 PyTorch default init unless ``--trained``); scores are :func:`fedsim.metrics.score_reconstruction`
 means over the batches (MSE, RMSE = sqrt(mean MSE), PSNR, SSIM).
 
@@ -37,7 +37,9 @@ from fedsim.models.imprint import (
     measurement_vector,
     quantile_bins,
 )
-from fedsim.training import Recipe, batch_schedule, local_train
+from fedsim.training.batches import batch_schedule
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 DS = load_dataset("fmnist-small")
 SHAPE = DS.in_shape

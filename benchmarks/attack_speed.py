@@ -43,9 +43,11 @@ from torch.nn import functional as F
 
 from attacks import AttackInput, build_attack
 from fedsim.data.registry import load_dataset
+from fedsim.device import resolve_device
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
-from fedsim.training import Recipe, local_train, resolve_device
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 MODELS = {  # build_model keyword arguments; "init" is the global model's initialisation
     "lenet": dict(name="lenet", init="uniform"),  # sigmoid, U(-0.5, 0.5): the DLG setting

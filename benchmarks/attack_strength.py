@@ -51,7 +51,9 @@ from attacks import AttackInput, build_attack  # noqa: E402
 from fedsim.data.registry import load_dataset  # noqa: E402
 from fedsim.metrics import score_reconstruction  # noqa: E402
 from fedsim.models import build_model  # noqa: E402
-from fedsim.training import Recipe, batch_schedule, local_train  # noqa: E402
+from fedsim.training.batches import batch_schedule  # noqa: E402
+from fedsim.training.local import local_train  # noqa: E402
+from fedsim.training.recipe import Recipe  # noqa: E402
 
 ATTACKS = ("dlg", "idlg", "cpl", "ig", "grnn", "ig-fr", "ig-bn", "strongest")
 NEEDS_BN = {"ig-bn"}  # attacked on the same LeNet with BatchNorm after each convolution

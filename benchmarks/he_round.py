@@ -70,7 +70,7 @@ def base_channel(name: str, args: argparse.Namespace) -> str:
 
 def _servers(grid_for, args: argparse.Namespace, channels) -> tuple[dict, dict, dict]:
     from fedsim.app.server import Server
-    from fedsim.rounds import RoundContext, RoundRecord
+    from fedsim.seams import RoundContext, RoundRecord
 
     servers, states, grids = {}, {}, {}
     for name in channels:

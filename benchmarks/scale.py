@@ -140,7 +140,8 @@ def _init(cfg_json: str) -> None:
 
 def _train_chunk(pids: list[int]) -> float:
     from fedsim.factories import client_data, model_for
-    from fedsim.training import Recipe, local_train
+    from fedsim.training.local import local_train
+    from fedsim.training.recipe import Recipe
 
     cfg = _CFG["cfg"]
     model = model_for(cfg)

@@ -10,7 +10,7 @@ repeats.
 Variants:
 
 * ``plain torch loop (1 thread)``: the clients trained one after the other with
-  ``fedsim.training.local_train`` on the same partitions, the example-weighted mean, the central
+  ``fedsim.training.local.local_train`` on the same partitions, the example-weighted mean, the central
   evaluation - the work of a round without any framework;
 * ``fedsim in-process``: ``run_experiment`` on the in-process grid (the real ClientApp, engine,
   channel; no transport), 1 torch thread, no observers (``output.observers = []``);
@@ -69,7 +69,11 @@ def plain_loop(cfg: dict) -> dict:
     import numpy as np
 
     from fedsim.factories import client_data, dataset_for, model_for
-    from fedsim.training import Recipe, evaluate, get_weights, local_train, seed_everything, set_weights
+    from fedsim.models.weights import get_weights, set_weights
+    from fedsim.seeding import seed_everything
+    from fedsim.training.evaluation import evaluate
+    from fedsim.training.local import local_train
+    from fedsim.training.recipe import Recipe
 
     t_start = time.perf_counter()
     seed_everything(cfg["seed"])
@@ -147,7 +151,11 @@ def plain_flower(cfg: dict, parallel: int) -> dict:
     from flwr.simulation import run_simulation
 
     from fedsim.factories import client_data, dataset_for, model_for
-    from fedsim.training import Recipe, evaluate, get_weights, local_train, seed_everything, set_weights
+    from fedsim.models.weights import get_weights, set_weights
+    from fedsim.seeding import seed_everything
+    from fedsim.training.evaluation import evaluate
+    from fedsim.training.local import local_train
+    from fedsim.training.recipe import Recipe
 
     client = ClientApp()
 

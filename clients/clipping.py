@@ -19,12 +19,13 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from clients.noise import UpdateDefense
+from clients.update_defense import UpdateDefense
 from fedsim.defense import Defense, DefenseContext, LossFn, register
 from fedsim.factories import model_for, partitions_for
 from fedsim.privacy import AGAINST_SERVER, Mechanism, epsilon
 from fedsim.protocol import BATCH_SIZE, recipe_of
-from fedsim.training import Recipe, iter_batches
+from fedsim.training.batches import iter_batches
+from fedsim.training.recipe import Recipe
 
 if TYPE_CHECKING:
     from opacus.accountants import RDPAccountant

@@ -11,7 +11,7 @@ the client.
 3. keeps the key and the trained lock in Flower's ``Context.state`` (through ``ctx.state``) for the next
    round (:meth:`FedKL.end_round`) and returns the update of the base model's entries only: the lock
    layers and the key buffer are entries the global model does not have, so
-   :func:`fedsim.training.local_train` never sends them. The locked blocks' own affine ``weight`` and
+   :func:`fedsim.training.local.local_train` never sends them. The locked blocks' own affine ``weight`` and
    ``bias`` do not exist in the locked model; their update is zero, so in the global model they keep
    their initial values (1 and 0) for ever. Running statistics of a replaced BatchNorm keep their names
    and are averaged as usual; those of a normalisation the lock inserted into a block that had none
@@ -103,7 +103,7 @@ class FedKL(Defense):
     # ---- helpers ------------------------------------------------------------------------------------
     def _need_cfg(self) -> Mapping[str, Any]:
         if self.cfg is None:
-            raise ValueError("fedkl needs the run config (build the pipeline with fedsim.config.client_pipeline)")
+            raise ValueError("fedkl needs the run config (build the pipeline with fedsim.build.client_pipeline)")
         return self.cfg
 
     def draw_key(self, client: int) -> np.ndarray:
@@ -124,7 +124,7 @@ class FedKL(Defense):
         """The locked model with the client's own key on the common test split (``when``: before or
         after local training)."""
         from fedsim.factories import dataset_for
-        from fedsim.training import evaluate
+        from fedsim.training.evaluation import evaluate
 
         if self.evaluate not in ("both", when):
             return

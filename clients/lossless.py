@@ -30,7 +30,7 @@ from torch.nn import functional as F
 from fedsim import lossless as ll
 from fedsim.defense import Defense, DefenseContext, LossFn, register
 from fedsim.protocol import LOSSLESS_GROUPS, LOSSLESS_MODEL, LOSSLESS_R_A, LOSSLESS_TERMS
-from fedsim.training import mse_onehot
+from fedsim.training.loss import mse_onehot
 
 
 def _float64_inputs(module: nn.Module, args: Sequence[Any]) -> tuple[Any, ...]:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from clients.noise import UpdateDefense, check_fraction
+from clients.update_defense import UpdateDefense, check_fraction
 from fedsim.defense import Defense, DefenseContext, register
 
 SCOPES = ("global", "layer")

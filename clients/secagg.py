@@ -47,7 +47,7 @@ from fedsim.protocol import (
     decode_arrays,
 )
 from fedsim.seams import Handler, PlainClientChannel
-from fedsim.training import derive_seed
+from fedsim.seeding import derive_seed
 
 
 @contextmanager

@@ -31,7 +31,7 @@ FIGURE = "decision_boundaries.png"
 
 def _model(cfg: dict[str, Any], run_dir: Path) -> torch.nn.Module:
     from fedsim.factories import model_for
-    from fedsim.training import set_weights
+    from fedsim.models.weights import set_weights
 
     model = model_for(cfg)
     state = torch.load(run_dir / "model.pt")

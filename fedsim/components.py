@@ -469,9 +469,10 @@ DEFENSES = Registry("defense", hidden=("cfg",))  # client defenses (clients/); g
 FLOWER_MODS = Registry("Flower mod")  # Flower client mods (clients/)
 ATTACKS = Registry("attack")  # gradient-leakage attacks (attacks/)
 OBSERVERS = Registry("observer", hidden=("cfg",))  # observers at the interception point (core and attacks/)
-# a user's own models and datasets (the built-in ones are fedsim.models.MODELS and fedsim.data.DATASETS):
-# a class or a function, registered by name or given as an import reference; its keyword parameters
-# come from [model] params / [data] params
+# models and datasets: the built-in ones (fedsim.models.BuiltinModel, fedsim.data.registry.DatasetEntry,
+# registered when fedsim.models / fedsim.data are imported) and a user's own: a class or a function,
+# registered by name or given as an import reference; its keyword parameters come from [model] params /
+# [data] params
 MODELS = Registry("model", hidden=("in_shape", "num_classes"), functions=True)
 DATASETS = Registry("dataset", hidden=("data_dir", "download", "root_size"), functions=True)
 KNOWLEDGE = Registry("attacker knowledge", hidden=("cfg",))  # threat-model ablations of the curious server (attacks/)

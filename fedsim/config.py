@@ -11,24 +11,15 @@ before anything is written. Validation needs the plugins registered: load config
 from __future__ import annotations
 
 import copy
-import functools
 import math
-import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from fedsim.components import (
-    CHANNELS,
-    DEFENSES,
-    FLOWER_MODS,
-    OBSERVERS,
-    STRATEGIES,
-    TRANSFORMS,
-    ConfigError,
-    missing_plugin_file,
-)
+from fedsim.build import build_components
+from fedsim.components import ConfigError, missing_plugin_file
+from fedsim.config_checks import check_data, check_gpus, check_model_and_data, check_simulation
 
 
 @dataclass(frozen=True)
@@ -44,12 +35,6 @@ class Field:
 
     def allowed(self) -> Sequence[Any] | None:
         return self.choices() if callable(self.choices) else self.choices
-
-
-def _datasets() -> list[str]:
-    from fedsim.data import DATASETS
-
-    return sorted(DATASETS)
 
 
 NUM = (int, float)
@@ -137,7 +122,6 @@ SCHEMA: dict[str, Field] = {
 }
 OPEN_SECTIONS = ("strategy", "channel", "attack")  # parameters checked by their component
 LIST_SECTIONS = ("defenses", "transforms")
-CURIOUS_SERVER = "curious-server"  # the observer the [attack] section configures
 
 
 def defaults() -> dict[str, Any]:
@@ -328,7 +312,7 @@ def precheck(cfg: dict[str, Any]) -> None:
     for section in LIST_SECTIONS:
         if not isinstance(cfg.get(section, []), list) or not all(isinstance(d, dict) for d in cfg.get(section, [])):
             raise ConfigError(f"{section} must be a list of tables ([[{section}]] with name = ...)")
-    _check_simulation(cfg["simulation"])
+    check_simulation(cfg["simulation"])
     for where, name in component_names(cfg):
         problem = missing_plugin_file(name)
         if problem:
@@ -349,224 +333,23 @@ def validate(cfg: dict[str, Any]) -> None:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
     if data["partition"] == "natural" and not data["styles"]:
-        from fedsim.data import DATASETS
+        from fedsim.data import builtin_datasets
 
-        if data["dataset"] not in DATASETS or not DATASETS[data["dataset"]].sources:
+        builtin = builtin_datasets()
+        if data["dataset"] not in builtin or not builtin[data["dataset"]].sources:
             raise ConfigError(f"data.partition = 'natural' needs a dataset with natural sources "
-                              f"({sorted(n for n, e in DATASETS.items() if e.sources)}), got {data['dataset']!r}")
+                              f"({sorted(n for n, e in builtin.items() if e.sources)}), got {data['dataset']!r}")
     check_model_and_data(cfg)
     if cfg["device"] != "auto":
-        from fedsim.training import resolve_device
+        from fedsim.device import resolve_device
 
         try:
             resolve_device(cfg["device"])
         except (ValueError, RuntimeError) as exc:
             raise ConfigError(f"device: {exc}") from exc
-    _check_gpus(cfg["simulation"])
+    check_gpus(cfg["simulation"])
     build_components(cfg)
     check_data(cfg, require_available=False)
-
-
-def _check_simulation(sim: Mapping[str, Any]) -> None:
-    """Resources a local Ray cluster can never give (Flower's engine would stall waiting for clients):
-    the CPUs here; the GPUs in :func:`_check_gpus` (they need torch)."""
-    if sim.get("ray_address") and sim["backend"] != "ray":
-        raise ConfigError(f"simulation.ray_address = {sim['ray_address']!r} joins a Ray cluster, but "
-                          f"simulation.backend = {sim['backend']!r} runs no Ray: set simulation.backend = \"ray\"")
-    if sim["backend"] != "ray" or sim.get("ray_address"):
-        return
-    cpus = os.cpu_count() or 1
-    if sim["num_cpus"] > cpus:
-        raise ConfigError(f"simulation.num_cpus = {sim['num_cpus']} is more than this machine's {cpus} CPUs: "
-                          "no client actor could start")
-
-
-def _check_gpus(sim: Mapping[str, Any]) -> None:
-    if sim["backend"] != "ray" or sim.get("ray_address") or not sim["num_gpus"] > 0:
-        return
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} but this machine has no GPU "
-                          "(CUDA is not available): no client actor could start")
-    if sim["num_gpus"] > torch.cuda.device_count():
-        raise ConfigError(f"simulation.num_gpus = {sim['num_gpus']} is more than this machine's "
-                          f"{torch.cuda.device_count()} GPUs")
-
-
-def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
-    """Everything the run needs from its data, checked now rather than inside every client: the dataset
-    loads (its files are present and intact), the public root split fits, and the client partition can
-    be drawn (``data.classes_per_client``, ``data.alpha``, ``data.max_per_class``,
-    ``federation.num_clients`` against the training set). The partition computed here is cached for the
-    run. Raises ConfigError naming the key, or DatasetUnavailable (only with ``require_available``:
-    validation alone tolerates a dataset that is missing here, since the runner reports it before
-    anything is written)."""
-    from fedsim.data import DatasetUnavailable
-    from fedsim.factories import dataset_for, partitions_for
-
-    try:
-        ds = dataset_for(cfg)
-    except DatasetUnavailable:
-        if require_available:
-            raise
-        return
-    except ValueError as exc:  # root_size and other dataset parameters
-        raise ConfigError(str(exc)) from None
-    problem = attack_data_problem(cfg, ds.in_shape) or model_problem(cfg) or attack_model_problem(cfg)
-    if problem:
-        raise ConfigError(problem)
-    try:
-        parts = partitions_for(cfg)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    empty = [i for i, p in enumerate(parts) if len(p) == 0]
-    if empty:
-        raise ConfigError(f"data.partition = {cfg['data']['partition']!r} leaves clients {empty[:5]} without "
-                          f"samples ({len(ds.y_train)} training samples, federation.num_clients = "
-                          f"{cfg['federation']['num_clients']})")
-
-
-def model_problem(cfg: Mapping[str, Any]) -> str | None:
-    """What is wrong with the model the config describes on its data, found before anything runs: it
-    cannot be built (a plugin raising, returning something that is not an ``nn.Module``), or its forward
-    on two examples raises or does not return ``(batch, num_classes)`` logits. The message names
-    ``model.name``; None when the model works. Cached per (model, data) sections."""
-    import json
-
-    return _model_problem(json.dumps({"model": cfg["model"], "data": cfg["data"]}, sort_keys=True, default=str))
-
-
-@functools.lru_cache(maxsize=16)
-def _model_problem(text: str) -> str | None:
-    import json
-
-    import torch
-
-    from fedsim.data import DatasetUnavailable
-    from fedsim.factories import dataset_for, model_for
-
-    cfg = json.loads(text)
-    name = cfg["model"]["name"]
-    try:
-        ds = dataset_for(cfg)
-    except DatasetUnavailable:
-        return None  # reported where the data is needed
-    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
-        try:
-            model = model_for(cfg)
-        except ConfigError as exc:
-            return str(exc)
-        except Exception as exc:  # noqa: BLE001 - a plugin's (or the data's) failure: one line naming the key
-            msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return msg[len("ValueError: "):] if msg.startswith("ValueError: model.") else f"model.name {name!r}: {msg}"
-        x = ds.x_test[:2] if len(ds.x_test) else ds.x_train[:2]
-        try:
-            model.train()
-            with torch.no_grad():
-                out = model(x)
-        except Exception as exc:  # noqa: BLE001
-            msg = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return f"model.name {name!r}: its forward on {len(x)} inputs of shape {tuple(x.shape[1:])} raised {msg}"
-    want = (len(x), ds.num_classes)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        return (f"model.name {name!r}: its forward on {len(x)} inputs of shape {tuple(x.shape[1:])} returned "
-                f"{got}; fedsim needs logits of shape (batch, num_classes) = {want}")
-    return None
-
-
-def _attack_names(attack: Mapping[str, Any]) -> list[Any]:
-    name = attack.get("name", "dlg")
-    return [name] if isinstance(name, str) else list(name)
-
-
-def attack_model_problem(cfg: Mapping[str, Any]) -> str | None:
-    """An attack of ``[attack]`` that cannot attack this model (``Attack.model_problem``: e.g. ``ig-bn``'s
-    BatchNorm prior on a model without BatchNorm), found before anything trains; the message names
-    ``attack.name``, or None."""
-    import torch
-
-    from fedsim.components import ATTACKS
-    from fedsim.factories import model_for
-
-    attack = cfg.get("attack") or {}
-    if not attack or attack.get("enabled", True) is False:
-        return None
-    params = attack.get("params") or {}
-    attacks = [(n, ATTACKS.build_named(n, params.get(n) or {}, f"attack.params.{n}", name_where="attack.name"))
-               for n in _attack_names(attack)]
-    checks = [(n, a.model_problem) for n, a in attacks if callable(getattr(a, "model_problem", None))]
-    if not checks:
-        return None
-    with torch.random.fork_rng(devices=[]):
-        model = model_for(cfg)
-    for n, check in checks:
-        problem = check(model)
-        if problem:
-            return f"attack.name {n!r}: {problem}"
-    return None
-
-
-def attack_data_problem(cfg: Mapping[str, Any], in_shape: Sequence[int]) -> str | None:
-    """Records (tabular data, inputs (F,)) can be attacked only by the attacks that reconstruct them
-    (``supports_records``); the message naming ``attack.name``, or None."""
-    from fedsim.components import ATTACKS
-
-    attack = cfg.get("attack") or {}
-    if len(in_shape) == 3 or not attack or attack.get("enabled", True) is False:
-        return None
-    names = _attack_names(attack)
-
-    def for_records(n: str) -> bool:
-        try:
-            return bool(getattr(ATTACKS.lookup(n, "attack.name"), "supports_records", False))
-        except ConfigError:
-            return True  # an unknown name is reported by the attack's own validation
-
-    images_only = [n for n in names if not for_records(n)]
-    if not images_only:
-        return None
-    ok = sorted(n for n in ATTACKS.names() if for_records(n))
-    return (f"attack.name {images_only}: reconstructs images (C, H, W) only; data.dataset = "
-            f"{cfg['data']['dataset']!r} has records of {tuple(in_shape)} features (attacks for records: {ok})")
-
-
-def check_model_and_data(cfg: Mapping[str, Any]) -> None:
-    """``model.name`` / ``data.dataset``: a built-in name, or a user's own model / dataset (a name
-    registered in :data:`fedsim.components.MODELS` / ``DATASETS`` or an import reference), whose
-    ``params`` are checked against the keyword parameters it declares - the same mechanism, and the
-    same messages, as every other component."""
-    from fedsim.components import DATASETS as DATA_PLUGINS
-    from fedsim.components import MODELS as MODEL_PLUGINS
-    from fedsim.models import BUILTIN_ONLY, MODELS
-
-    m, d = cfg["model"], cfg["data"]
-    if m["name"] in MODELS:
-        if m.get("params"):
-            raise ConfigError(f"model.params is for your own model; the built-in {m['name']!r} takes "
-                              f"{list(BUILTIN_ONLY)} in [model]")
-    else:
-        if m["name"] not in MODEL_PLUGINS:
-            raise ConfigError(f"model.name must be one of {sorted(set(MODELS) | set(MODEL_PLUGINS.names()))} or "
-                              f"an import reference ('module:attribute' or 'path/file.py:attribute'), got {m['name']!r}")
-        builder = MODEL_PLUGINS.lookup(m["name"], "model.name")
-        MODEL_PLUGINS.check_params(builder, m["name"], m.get("params") or {}, "model.params")
-        given = [k for k in BUILTIN_ONLY if m.get(k) is not None]
-        if given:
-            raise ConfigError(f"model.{given[0]} applies to the built-in models only; give your model's own "
-                              f"parameters in model.params")
-    builtin = _datasets()
-    if d["dataset"] in builtin:
-        if d.get("params"):
-            raise ConfigError(f"data.params is for your own dataset; the built-in {d['dataset']!r} takes none")
-    else:
-        if d["dataset"] not in DATA_PLUGINS:
-            raise ConfigError(f"data.dataset must be one of {sorted(set(builtin) | set(DATA_PLUGINS.names()))} or "
-                              f"an import reference ('module:attribute' or 'path/file.py:attribute'), got "
-                              f"{d['dataset']!r}")
-        loader = DATA_PLUGINS.lookup(d["dataset"], "data.dataset")
-        DATA_PLUGINS.check_params(loader, d["dataset"], d.get("params") or {}, "data.params")
 
 
 def _name_slots(cfg: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
@@ -621,102 +404,6 @@ def absolute_references(cfg: dict[str, Any], base: str | None = None) -> None:
     params = _attack_params(cfg)
     if params is not None:
         cfg["attack"]["params"] = {ab(k, base): v for k, v in params.items()}
-
-
-# keys that moved to another section: the error says where
-MOVED = {
-    "compensation": 'seed 000\'s compensation is a server transform now: [[transforms]] name = "mp-compensation"',
-    "compensation_feedback": 'use [[transforms]] name = "mp-compensation" with feedback = true',
-    "compensation_mode": 'use [[transforms]] name = "mp-compensation" with mode = ...',
-    "Q": 'use [[transforms]] name = "mp-compensation" with Q = ...',
-}
-
-
-def client_pipeline(cfg: Mapping[str, Any], transforms: Sequence[Any] | None = None) -> Any:
-    """The clients' defense pipeline: what the server transforms require of every client, then
-    ``[[defenses]]`` in order."""
-    from fedsim.defense import DefensePipeline
-
-    if transforms is None:
-        transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
-    required = [e for t in transforms for e in t.client_defenses()]
-    try:
-        return DefensePipeline(DEFENSES.build_list(required, "defenses required by the transforms", cfg=cfg)
-                               + DEFENSES.build_list(cfg.get("defenses", []), "defenses", cfg=cfg))
-    except ConfigError:
-        raise
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from exc
-
-
-def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate every component section through its registry and build the components (one mechanism).
-
-    Returns ``rule``, ``channel``, ``transforms``, ``defenses``, ``flower_mods``, ``observers`` (the
-    curious server last, when ``[attack]`` is set) and ``privacy`` (the :class:`fedsim.privacy.PrivacyLedger`
-    of the mechanisms the rule, the defenses and the mods declare). Raises :class:`ConfigError` naming the key.
-    """
-    from fedsim.seams import check_compatible
-
-    strategy = dict(cfg["strategy"])
-    for k in strategy:
-        if k in MOVED:
-            raise ConfigError(f"strategy.{k} moved: {MOVED[k]}")
-    rule = STRATEGIES.build(strategy, "strategy")
-    channel = CHANNELS.build(dict(cfg.get("channel") or {"name": "plain"}), "channel")
-    transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
-    check_compatible(type(channel), rule,
-                     [(f"transforms[{i}]", type(t)) for i, t in enumerate(transforms)])
-    from fedsim.seams import INDIVIDUAL, capabilities
-
-    if cfg["federation"].get("max_update_norm") is not None and INDIVIDUAL not in capabilities(type(channel).provides):
-        raise ConfigError(f"federation.max_update_norm needs each client's model in plaintext, which channel "
-                          f"{channel.name!r} does not give the server (its own bounds apply: docs/failures.md)")
-    for where, component in [("strategy", rule), ("channel", channel),
-                             *((f"transforms[{i}]", t) for i, t in enumerate(transforms))]:
-        try:
-            component.validate_config(cfg)  # checks that need the rest of the config
-        except ConfigError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(f"{where} ({component.name}): {exc}") from exc
-    defenses = client_pipeline(cfg, transforms)
-    for i, d in enumerate(defenses.defenses):
-        try:
-            d.validate_config(cfg)
-        except ConfigError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(f"defenses[{i}] ({d.name}): {exc}") from exc
-    mods = FLOWER_MODS.build_list(cfg["client"]["flower_mods"], "client.flower_mods")
-    for i, mod in enumerate(mods):  # a mod may check the rest of the config (e.g. the strategy it belongs to)
-        check = getattr(mod, "validate_config", None)
-        if callable(check):
-            try:
-                check(cfg)
-            except ConfigError:
-                raise
-            except ValueError as exc:
-                entry = cfg["client"]["flower_mods"][i]
-                raise ConfigError(f"client.flower_mods[{i}] ({entry.get('name') if isinstance(entry, Mapping) else entry}): "
-                                  f"{exc}") from exc
-    from fedsim.privacy import build_ledger
-
-    try:
-        privacy = build_ledger(rule, defenses, mods, cfg)
-    except ConfigError:
-        raise
-    except ValueError as exc:
-        raise ConfigError(f"privacy accounting: {exc}") from exc
-    observers = OBSERVERS.build_list(cfg["output"]["observers"], "output.observers", cfg=cfg)
-    implied = [e for d in defenses.defenses for e in d.server_observers()]
-    observers += OBSERVERS.build_list(implied, "observers implied by the defenses", cfg=cfg)
-    if cfg.get("attack"):  # [attack] configures the curious server (validated even when enabled = false)
-        curious = OBSERVERS.build_named(CURIOUS_SERVER, cfg["attack"], "attack", cfg=cfg)
-        if cfg["attack"].get("enabled", True) is not False:
-            observers.append(curious)
-    return {"rule": rule, "channel": channel, "transforms": transforms, "defenses": defenses,
-            "flower_mods": mods, "observers": observers, "privacy": privacy}
 
 
 def dump_toml(cfg: Mapping[str, Any]) -> str:

@@ -1,9 +1,9 @@
 """The client defense interface (a seam of the core) and the pipeline that composes defenses in order.
 
 Defenses themselves are plugins (``clients/``); they subclass :class:`Defense` and register in
-:data:`fedsim.components.DEFENSES`. ``[[defenses]]`` entries are built by :func:`build_pipeline`.
+:data:`fedsim.components.DEFENSES`. ``[[defenses]]`` entries are built by :func:`fedsim.build.client_pipeline`.
 
-A defense acts at the stage where it belongs (see ``fedsim.training.local_train``):
+A defense acts at the stage where it belongs (see ``fedsim.training.local.local_train``):
 
 1. ``compute_gradient``  - replaces how a mini-batch gradient is computed (per-sample clipping,
    DP-SGD). At most one defense in a pipeline may implement it.
@@ -48,7 +48,7 @@ class DefenseContext:
 class Defense:
     """Base class. Subclasses set ``name`` and accept their parameters as keyword arguments.
 
-    Stages, in the order ``fedsim.training.local_train`` calls them: ``adapt_model`` (may change the
+    Stages, in the order ``fedsim.training.local.local_train`` calls them: ``adapt_model`` (may change the
     model's structure and load client-private entries from ``ctx.state``), ``setup``,
     ``compute_gradient`` / ``transform_gradient`` per mini-batch, ``end_round`` (after the last step,
     e.g. to save client-private entries), ``transform_update``, then ``reply_extras`` and
@@ -227,8 +227,3 @@ class _RoundRunner:
             state.update({f"{i}.{k}": np.asarray(v) for k, v in c.state.items()})
             metrics.update({f"defense.{i}.{d.name}.{k}": float(v) for k, v in d.metrics().items()})
         return state, metrics
-
-
-def build_pipeline(entries: Sequence[Mapping[str, Any]]) -> DefensePipeline:
-    """Instantiate ``[[defenses]]`` entries (tables with ``name`` and parameters), validating each key."""
-    return DefensePipeline(DEFENSES.build_list(list(entries), "defenses"))

@@ -46,7 +46,7 @@ from fedsim.protocol import (
     X25519_PUBLIC,
     train_config,
 )
-from fedsim.rounds import RoundContext
+from fedsim.seams import RoundContext
 
 _X25519 = "x25519-private"
 

@@ -70,7 +70,7 @@ def use_batch_statistics(model: torch.nn.Module, blocks: Sequence[str]) -> None:
 def random_key_model(cfg: Mapping[str, Any], arrays: Sequence[np.ndarray], blocks: Any, key_length: int,
                      salt: int = 0, activation: str = "none") -> torch.nn.Module:
     """The global model (``arrays``, base architecture) with a random key and the initial lock."""
-    from fedsim.training import set_weights
+    from fedsim.models.weights import set_weights
 
     model = _model(cfg)
     base = set(model.state_dict())
@@ -122,8 +122,9 @@ class RandomKeyEvaluation(Observer):
         return max(means, key=lambda r: (means[r], -r)) if means else None
 
     def on_global_model(self, round: int, arrays: Sequence[np.ndarray] | None) -> Mapping[str, Any]:
+        from fedsim.device import resolve_device
         from fedsim.factories import dataset_for
-        from fedsim.training import evaluate, resolve_device
+        from fedsim.training.evaluation import evaluate
 
         out: dict[str, Any] = {}
         if arrays is not None:

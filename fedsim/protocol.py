@@ -27,6 +27,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, MessageType
 
+from fedsim.training.schedule import scheduled_lr
+
 # ---- records of a message's RecordDict
 ARRAYS = "arrays"
 CONFIG = "config"
@@ -207,8 +209,6 @@ def decode_arrays(record: ArrayRecord, writable: bool = True) -> list[np.ndarray
 
 def train_config(cfg: Mapping[str, Any], server_round: int | None = None) -> ConfigRecord:
     """What every server -> client message carries: the recipe and the resolved config."""
-    from fedsim.training import scheduled_lr
-
     t = cfg["train"]
     lr = scheduled_lr(t, server_round or 1, int(cfg["federation"]["rounds"])) if server_round else float(t["lr"])
     rec: dict[str, Any] = {LR: float(lr), BATCH_SIZE: int(t["batch_size"]),

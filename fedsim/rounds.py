@@ -5,7 +5,7 @@
 
 1. the global model goes through the transforms' ``before_send`` and the channel's ``outgoing``;
 2. the sampled clients (partitions drawn from (seed, round)) get a ``train`` message each;
-3. every reply is checked before it is used (:meth:`RoundEngine.check_reply`: the example count, the
+3. every reply is checked before it is used (:class:`fedsim.replies.ReplyChecker`: the example count, the
    channel's payload check, the rule's and transforms' checks, the update norm bound); error replies and
    replies that fail a check become recorded failures (not fatal); every valid reply is shown to the
    observers (the interception point, before aggregation) through the channel's view;
@@ -22,26 +22,22 @@ client is registered and maps node ids to partition ids, so sampling can reach e
 from __future__ import annotations
 
 import logging
-import math
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy.strategy_utils import aggregate_metricrecords
 
+from fedsim.models.weights import get_weights
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.privacy import PrivacyLedger
 from fedsim.protocol import (
-    ARRAYS,
-    CLIENT_ID_KEYS,
     CONFIG,
     ERROR,
     ERROR_REASON,
     EVAL_ACCURACY,
-    EVAL_EXAMPLES,
     EVAL_LOSS,
     EVAL_SOURCE_ACCURACY,
     EVALUATE,
@@ -52,28 +48,21 @@ from fedsim.protocol import (
     PARTITION_ID,
     PARTITIONS,
     QUERY,
-    decode_array,
     decode_arrays,
     for_partition,
     num_nodes,
     recipe_of,
     train_config,
 )
-from fedsim.seams import AggregationRule, InvalidReply, ModelSpec, ServerChannel, ServerTransform
-from fedsim.training import derive_seed, get_weights
+from fedsim.replies import InvalidReply, ModelSpec, Reply, ReplyCheck, ReplyChecker
+from fedsim.seams import AggregationRule, RoundContext, RoundRecord, ServerChannel, ServerTransform
+from fedsim.seeding import derive_seed
 
 log = logging.getLogger("fedsim")
-
-#: a check of one reply: raises :class:`fedsim.seams.InvalidReply` when the reply cannot be used
-ReplyCheck = Callable[["Reply"], None]
 
 
 class DiscoveryError(RuntimeError):
     """Not every configured client could be reached."""
-
-
-def _is_finite_number(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def sample_partitions(seed: int, round: int, partitions: Sequence[int], k: int) -> list[int]:
@@ -97,98 +86,6 @@ def mean_metrics(replies: Sequence[Reply]) -> dict[str, Any]:
     return out
 
 
-class Reply:
-    """One valid client reply as the server holds it; arrays are decoded once, on first use.
-
-    A node serving several partitions (virtual clients) answers for all of them in one message; each
-    partition's records carry the suffix ``@<partition>`` and :meth:`record` reads through it."""
-
-    def __init__(self, message: Message, partition: int, suffix: str = ""):
-        self.message = message
-        self.node_id = message.metadata.src_node_id
-        self.partition = partition
-        self.suffix = suffix
-        self.metrics: dict[str, Any] = dict(self.record(METRICS)) if self.has(METRICS) else {}
-        # as the client reported it; RoundEngine.check_reply replaces it by the checked count
-        n = self.metrics.get(NUM_EXAMPLES, 0)
-        self.num_examples = int(n) if isinstance(n, int) else 0
-        self._arrays: list[np.ndarray] | None = None
-        self.extra: dict[str, Any] = {}  # what the channel parsed from the payload
-        self.contributors: list[int] = []  # for a reply that stands for several clients (secure aggregation)
-
-    def has(self, name: str) -> bool:
-        return name + self.suffix in self.message.content
-
-    def record(self, name: str) -> Any:
-        """This client's record ``name`` (one of fedsim.protocol's record names)."""
-        return self.message.content[name + self.suffix]
-
-    @property
-    def arrays(self) -> list[np.ndarray]:
-        if self._arrays is None:
-            self._arrays = decode_arrays(self.record(ARRAYS), writable=False)
-        return self._arrays
-
-    @arrays.setter
-    def arrays(self, arrays: list[np.ndarray]) -> None:
-        """The decoded model (a channel's ``check_reply`` sets it once it has checked it)."""
-        self._arrays = list(arrays)
-
-
-@dataclass
-class RoundRecord:
-    """What happened in one round (the strategy's account; the round-end step adds the evaluation)."""
-
-    round: int
-    sampled: list[int] = field(default_factory=list)  # partition ids sent a train message
-    contributors: list[int] = field(default_factory=list)  # partition ids whose reply was aggregated
-    failures: list[dict[str, Any]] = field(default_factory=list)  # this round's recorded failures
-    train_metrics: dict[str, float] = field(default_factory=dict)  # example-weighted mean of the replies
-    rule_metrics: dict[str, float] = field(default_factory=dict)
-    transform_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # by transform name
-    channel_metrics: dict[str, float] = field(default_factory=dict)
-    privacy: dict[str, Any] = field(default_factory=dict)  # privacy.<mechanism>.epsilon/.delta (fedsim.privacy)
-    seconds: float = 0.0  # training exchange + aggregation (+ evaluation, set by the round-end step)
-
-    @property
-    def replies(self) -> int:
-        return len(self.contributors)
-
-    def row(self) -> dict[str, Any]:
-        """The round's items of a ``metrics.jsonl`` row."""
-        out: dict[str, Any] = {"round": self.round, "replies": self.replies, "failures": len(self.failures)}
-        out.update({k: v for k, v in self.train_metrics.items() if k not in CLIENT_ID_KEYS})
-        out.update({f"strategy.{k}": v for k, v in self.rule_metrics.items()})
-        out.update({f"channel.{k}": v for k, v in self.channel_metrics.items()})
-        for name, m in self.transform_metrics.items():
-            out.update({f"{name}.{k}": v for k, v in m.items()})
-        out.update(self.privacy)
-        return out
-
-
-@dataclass
-class RoundContext:
-    """Handed to rules and transforms during a round: the grid, the channel, what was sent."""
-
-    engine: "RoundEngine"
-    grid: Grid
-    round: int
-    channel: ServerChannel
-    config: ConfigRecord
-    sent: list[np.ndarray] | None  # the plaintext model the clients received (None if encrypted)
-    record: RoundRecord
-    replies: list[Reply] = field(default_factory=list)  # the round's valid replies (what was aggregated)
-    weights: list[float] | None = None  # the weights a weighted-sum rule used
-
-    def send(self, partitions: Sequence[int], message_type: str, shared: RecordDict,
-             per_partition: Mapping[int, Mapping[str, Any]] | None = None, stage: str = "train",
-             check: ReplyCheck | None = None) -> list[Reply]:
-        """Send to clients (partition ids); the valid replies, sorted by partition. Failures are recorded;
-        ``check`` (raising :class:`InvalidReply`) decides which replies are valid (see RoundEngine.send)."""
-        return self.engine.send(self.grid, partitions, message_type, shared, per_partition, stage, self.round,
-                                self.record, check)
-
-
 class NonFiniteModel(RuntimeError):
     """The aggregated global model holds NaN or infinite values: the run stops (it never completes on it)."""
 
@@ -196,12 +93,9 @@ class NonFiniteModel(RuntimeError):
 class RoundEngine:
     """Runs rounds of one federation (see the module docstring).
 
-    Every reply is checked before it is used (:meth:`check_reply`, one mechanism for every channel): the
-    example count (a positive integer up to ``federation.max_examples``), then the channel's payload
-    check (``ServerChannel.check_reply``: for the plain channel the model's names, shapes, dtypes and
-    finite values), the rule's and the transforms' own checks of what they read, and the update's norm
-    (``federation.max_update_norm``). A reply that fails is its client's recorded failure. An
-    aggregated global model that is not finite stops the run (:class:`NonFiniteModel`)."""
+    Every reply is checked before it is used (``self.checks``, a :class:`fedsim.replies.ReplyChecker`: one
+    mechanism for every channel); a reply that fails is its client's recorded failure. An aggregated global
+    model that is not finite stops the run (:class:`NonFiniteModel`)."""
 
     def __init__(self, cfg: Mapping[str, Any], param_names: Sequence[str], rule: AggregationRule,
                  channel: ServerChannel, transforms: Sequence[ServerTransform] = (),
@@ -213,11 +107,11 @@ class RoundEngine:
         from fedsim.factories import dataset_for, model_for
 
         self.model = model if model is not None else ModelSpec.of(self.param_names, get_weights(model_for(cfg)))
-        fed, ds = cfg["federation"], dataset_for(cfg)
+        ds = dataset_for(cfg)
         # a client cannot hold more examples than the training set (unless the user says otherwise)
-        self.max_examples = int(fed.get("max_examples") or len(ds.y_train))
-        self.max_eval_examples = max(self.max_examples, len(ds.y_test))  # evaluation on the common test split
-        self.max_update_norm = fed.get("max_update_norm")
+        max_examples = int(cfg["federation"].get("max_examples") or len(ds.y_train))
+        self.checks = ReplyChecker(cfg, self.model, [channel, rule, *transforms], max_examples,
+                                   max(max_examples, len(ds.y_test)))  # evaluation on the common test split
         self.rule, self.channel, self.transforms = rule, channel, list(transforms)
         self.observers = list(observers)
         self.privacy = privacy if privacy is not None else PrivacyLedger()
@@ -369,82 +263,6 @@ class RoundEngine:
             out.append(r)
         return out
 
-    def check_count(self, value: Any, key: str = NUM_EXAMPLES, contributors: int = 1,
-                    bound: int | None = None) -> int:
-        """An example count a client reported: a positive integer up to ``federation.max_examples`` (per
-        client a reply stands for). Returns it as an int; raises :class:`InvalidReply`."""
-        if not _is_finite_number(value) or value != int(value):
-            raise InvalidReply(f"{key} must be a positive integer, got {value!r}")
-        n, most = int(value), (bound or self.max_examples) * max(1, contributors)
-        if n < 1:
-            raise InvalidReply(f"{key} = {n}: a client's count of examples must be at least 1")
-        if n > most:
-            where = "federation.max_examples" if self.cfg["federation"].get("max_examples") else \
-                "the training set's size (federation.max_examples unset)"
-            if bound is not None and bound != self.max_examples:  # an evaluation: the test split may be larger
-                where = f"the larger of {where} and the test split's size"
-            raise InvalidReply(f"{key} = {n} is above {where} = {bound or self.max_examples}"
-                               + (f" x {contributors} contributors" if contributors > 1 else ""))
-        return n
-
-    @staticmethod
-    def check_metrics(reply: Reply, *keys: str) -> dict[str, Any]:
-        """The reply's metrics: a MetricRecord holding ``keys``; raises :class:`InvalidReply`."""
-        if not reply.has(METRICS):
-            raise InvalidReply("the reply carries no metrics record")
-        if not isinstance(reply.record(METRICS), MetricRecord):
-            raise InvalidReply(f"the reply's metrics are a {type(reply.record(METRICS)).__name__}, not a MetricRecord")
-        missing = [k for k in keys if k not in reply.metrics]
-        if missing:
-            raise InvalidReply(f"the reply's metrics lack {', '.join(missing)}")
-        return reply.metrics
-
-    def check_reply(self, reply: Reply, sent: Sequence[np.ndarray] | None) -> None:
-        """Everything a train reply must satisfy before anything uses it (see the class docstring); raises
-        :class:`InvalidReply`. ``sent``: the plaintext model the clients received (for the norm bound)."""
-        self.check_metrics(reply, NUM_EXAMPLES)
-        reply.num_examples = self.check_count(reply.metrics[NUM_EXAMPLES], contributors=len(reply.contributors))
-        if reply.has(EXTRAS):  # the defenses' extra arrays: observers and transforms decode them
-            extras = reply.record(EXTRAS)
-            if not isinstance(extras, ArrayRecord):
-                raise InvalidReply(f"the reply's {EXTRAS} record is a {type(extras).__name__}, not an ArrayRecord")
-            for name, arr in extras.items():
-                try:
-                    a = decode_array(arr, writable=False)
-                except Exception as exc:  # noqa: BLE001 - a damaged payload: name the entry
-                    raise InvalidReply(f"extra array {name!r} cannot be decoded ({type(exc).__name__})") from None
-                if a.dtype.kind in "fc" and not np.isfinite(a).all():
-                    raise InvalidReply(f"extra array {name!r} holds non-finite values")
-        self.channel.check_reply(reply, self.model)
-        self.rule.check_reply(reply, self.model)
-        for t in self.transforms:
-            t.check_reply(reply, self.model)
-        if self.max_update_norm is not None and sent is not None:
-            sq = sum(float(np.sum((np.asarray(a, dtype=np.float64) - np.asarray(s, dtype=np.float64)) ** 2))
-                     for a, s, dt in zip(reply.arrays, sent, self.model.dtypes) if dt.kind == "f")
-            if not math.sqrt(sq) <= self.max_update_norm:
-                raise InvalidReply(f"the update's L2 norm {math.sqrt(sq):.4g} is above federation.max_update_norm "
-                                   f"= {self.max_update_norm:g}")
-
-    def check_evaluation(self, reply: Reply) -> None:
-        """An ``evaluate`` reply: a metrics record with a finite loss >= 0 (the evaluation's cross-entropy
-        never is negative), an accuracy in [0, 1], a positive example count (at most the larger of
-        ``federation.max_examples`` and the test split) and (when it sends them) accuracies per test source
-        in [0, 1]."""
-        m = self.check_metrics(reply, EVAL_LOSS, EVAL_ACCURACY, EVAL_EXAMPLES)
-        loss, acc = m[EVAL_LOSS], m[EVAL_ACCURACY]
-        if not _is_finite_number(loss) or loss < 0:
-            raise InvalidReply(f"{EVAL_LOSS} must be a finite number >= 0, got {loss!r}")
-        if not _is_finite_number(acc):
-            raise InvalidReply(f"{EVAL_ACCURACY} must be a finite number, got {acc!r}")
-        if not 0 <= acc <= 1:
-            raise InvalidReply(f"{EVAL_ACCURACY} must be in [0, 1], got {acc!r}")
-        self.check_count(m[EVAL_EXAMPLES], EVAL_EXAMPLES, bound=self.max_eval_examples)
-        per = m.get(EVAL_SOURCE_ACCURACY)
-        if per is not None and not (isinstance(per, list) and len(per) <= 64 and all(
-                _is_finite_number(a) and 0 <= a <= 1 for a in per)):
-            raise InvalidReply(f"{EVAL_SOURCE_ACCURACY} must be a list of accuracies in [0, 1], got {str(per)[:100]}")
-
     def check_global(self, server_round: int, state: Any) -> None:
         """Raise :class:`NonFiniteModel` if the new global model (when the server can read it) is not finite."""
         arrays = self.channel.plaintext(state)
@@ -488,7 +306,7 @@ class RoundEngine:
         record.sampled = self.sample(server_round)
         ctx = RoundContext(self, grid, server_round, self.channel, config, sent, record)
         replies = self.accept(self.channel.train_exchange(ctx, record.sampled, content),
-                              lambda r: self.check_reply(r, sent), "train", server_round, record)
+                              lambda r: self.checks.check_reply(r, sent), "train", server_round, record)
         ctx.replies = replies
         self._notify(server_round, replies, sent, config)
         record.contributors = [p for r in replies for p in (r.contributors or [r.partition])]
@@ -537,7 +355,7 @@ class RoundEngine:
         content = RecordDict({CONFIG: config, **self.channel.outgoing(state)})
         for p in partitions:
             replies = self.send(grid, [p], EVALUATE, content, None, "evaluate", server_round, record,
-                                self.check_evaluation)
+                                self.checks.check_evaluation)
             if replies:
                 m = replies[0].metrics
                 per = m.get(EVAL_SOURCE_ACCURACY) or []  # checked by check_evaluation

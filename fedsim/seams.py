@@ -20,16 +20,16 @@ no plugin.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
 
 import numpy as np
-from flwr.app import Context, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Message, RecordDict
+from flwr.serverapp import Grid
 
 from fedsim.components import CHANNELS, CLIENT_CHANNELS, STRATEGIES, TRANSFORMS, ConfigError
-from fedsim.protocol import ARRAYS, TRAIN, arrays_record, decode_array, decode_arrays
-
-if TYPE_CHECKING:  # pragma: no cover
-    from fedsim.rounds import Reply, RoundContext
+from fedsim.protocol import ARRAYS, CLIENT_ID_KEYS, TRAIN, arrays_record, decode_arrays
+from fedsim.replies import Arrays, ChannelError, ModelSpec, Reply, ReplyCheck, ReplyChecker
 
 # ---- what a channel gives the server
 INDIVIDUAL = "each client's model in plaintext"
@@ -43,77 +43,78 @@ def capabilities(provides: frozenset[str]) -> frozenset[str]:
     example-weighted mean (a channel such as SecAgg+ gives only the latter)."""
     return provides | {EXAMPLE_WEIGHTED_MEAN} if WEIGHTED_SUM in provides else provides
 
-Arrays = list[np.ndarray]
 Handler = Callable[[Message, Context], Message]
 
 
-class InvalidReply(RuntimeError):
-    """A client's reply is unusable (a bad example count, a model of the wrong names, shapes or dtypes,
-    non-finite values, a payload the channel cannot use): that client's recorded failure, never the
-    server's crash. Raised by the ``check_reply`` hooks (:meth:`ServerChannel.check_reply`)."""
+# ============================================================================= what a round hands the seams
+class Engine(Protocol):
+    """What a round's context offers of the engine that runs the round (``fedsim.rounds.RoundEngine``)."""
+
+    model: ModelSpec  # the global model's names, shapes and dtypes
+    checks: ReplyChecker  # example counts and the other reply checks
+    partition_node: dict[int, int]  # partition id -> the node serving it (found at discovery)
+    timeout: float | None  # how long to wait for replies (federation.round_timeout)
+
+    def send(self, grid: Grid, partitions: Sequence[int], message_type: str, shared: RecordDict,
+             per_partition: Mapping[int, Mapping[str, Any]] | None, stage: str, server_round: int,
+             record: RoundRecord, check: ReplyCheck | None = None) -> list[Reply]: ...
+
+    def record_failure(self, record: RoundRecord, server_round: int, node: int, stage: str, reason: Any,
+                       partition: int | None = None) -> None: ...
 
 
-class ChannelError(InvalidReply):
-    """A client's channel payload is unusable (corrupted, wrong key, wrong size): that client's failure."""
+@dataclass
+class RoundRecord:
+    """What happened in one round (the strategy's account; the round-end step adds the evaluation)."""
 
+    round: int
+    sampled: list[int] = field(default_factory=list)  # partition ids sent a train message
+    contributors: list[int] = field(default_factory=list)  # partition ids whose reply was aggregated
+    failures: list[dict[str, Any]] = field(default_factory=list)  # this round's recorded failures
+    train_metrics: dict[str, float] = field(default_factory=dict)  # example-weighted mean of the replies
+    rule_metrics: dict[str, float] = field(default_factory=dict)
+    transform_metrics: dict[str, dict[str, float]] = field(default_factory=dict)  # by transform name
+    channel_metrics: dict[str, float] = field(default_factory=dict)
+    privacy: dict[str, Any] = field(default_factory=dict)  # privacy.<mechanism>.epsilon/.delta (fedsim.privacy)
+    seconds: float = 0.0  # training exchange + aggregation (+ evaluation, set by the round-end step)
 
-class ModelSpec:
-    """The global model's entries as the server knows them: names, shapes and dtypes, in state-dict order.
-    What every reply's model is checked against (:meth:`check_arrays`). Shapes are the ones the entries
-    travel in: a 0-d entry (e.g. BatchNorm's ``num_batches_tracked``) travels as shape (1,)
-    (``fedsim.protocol.encode_array``)."""
+    @property
+    def replies(self) -> int:
+        return len(self.contributors)
 
-    def __init__(self, names: Sequence[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype]):
-        self.names = list(names)
-        self.shapes = [tuple(int(d) for d in s) or (1,) for s in shapes]
-        self.dtypes = [np.dtype(d) for d in dtypes]
-
-    @classmethod
-    def of(cls, names: Sequence[str], arrays: Sequence[np.ndarray]) -> "ModelSpec":
-        arrays = [np.asarray(a) for a in arrays]
-        return cls(names, [a.shape for a in arrays], [a.dtype for a in arrays])
-
-    def check_names(self, got: Sequence[str], what: str = "the reply's model") -> None:
-        got = list(got)
-        if got == self.names:
-            return
-        missing = [n for n in self.names if n not in got]
-        extra = [n for n in got if n not in self.names]
-        if missing or extra:
-            parts = ([f"lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}"] if missing else []) + \
-                    ([f"has unknown entries {extra[:4]}{' ...' if len(extra) > 4 else ''}"] if extra else [])
-            raise InvalidReply(f"{what} {' and '.join(parts)}")
-        raise InvalidReply(f"{what} has the model's entries in another order")
-
-    def check_arrays(self, record: Any, what: str = "the reply's model") -> Arrays:
-        """The arrays of an ``ArrayRecord`` that must hold exactly this model (same names in the same
-        order, shapes, dtypes, finite values), decoded; raises :class:`InvalidReply` naming the entry."""
-        from flwr.app import ArrayRecord
-
-        if not isinstance(record, ArrayRecord):
-            raise InvalidReply(f"{what} is a {type(record).__name__}, not an ArrayRecord")
-        self.check_names(list(record.keys()), what)
-        out = []
-        for name, arr, shape, dtype in zip(self.names, record.values(), self.shapes, self.dtypes):
-            try:
-                ok_meta = np.dtype(arr.dtype) == dtype and tuple(arr.shape) == shape
-            except (TypeError, ValueError):
-                ok_meta = False
-            if not ok_meta:
-                raise InvalidReply(f"{what}: {name!r} is {arr.dtype} {list(arr.shape)}, the model's is "
-                                   f"{dtype} {list(shape)}")
-            try:
-                a = decode_array(arr, writable=False)
-            except Exception as exc:  # noqa: BLE001 - a damaged payload: name the entry
-                raise InvalidReply(f"{what}: {name!r} cannot be decoded ({type(exc).__name__}: {exc})") from None
-            if a.dtype != dtype or a.shape != shape:
-                raise InvalidReply(f"{what}: {name!r} decodes to {a.dtype} {list(a.shape)}, the model's is "
-                                   f"{dtype} {list(shape)}")
-            if a.dtype.kind in "fc" and not np.isfinite(a).all():
-                bad = a[~np.isfinite(a)]
-                raise InvalidReply(f"{what}: {name!r} holds {bad.size} non-finite values (e.g. {bad.flat[0]})")
-            out.append(a)
+    def row(self) -> dict[str, Any]:
+        """The round's items of a ``metrics.jsonl`` row."""
+        out: dict[str, Any] = {"round": self.round, "replies": self.replies, "failures": len(self.failures)}
+        out.update({k: v for k, v in self.train_metrics.items() if k not in CLIENT_ID_KEYS})
+        out.update({f"strategy.{k}": v for k, v in self.rule_metrics.items()})
+        out.update({f"channel.{k}": v for k, v in self.channel_metrics.items()})
+        for name, m in self.transform_metrics.items():
+            out.update({f"{name}.{k}": v for k, v in m.items()})
+        out.update(self.privacy)
         return out
+
+
+@dataclass
+class RoundContext:
+    """Handed to rules and transforms during a round: the grid, the channel, what was sent."""
+
+    engine: Engine
+    grid: Grid
+    round: int
+    channel: ServerChannel
+    config: ConfigRecord
+    sent: list[np.ndarray] | None  # the plaintext model the clients received (None if encrypted)
+    record: RoundRecord
+    replies: list[Reply] = field(default_factory=list)  # the round's valid replies (what was aggregated)
+    weights: list[float] | None = None  # the weights a weighted-sum rule used
+
+    def send(self, partitions: Sequence[int], message_type: str, shared: RecordDict,
+             per_partition: Mapping[int, Mapping[str, Any]] | None = None, stage: str = "train",
+             check: ReplyCheck | None = None) -> list[Reply]:
+        """Send to clients (partition ids); the valid replies, sorted by partition. Failures are recorded;
+        ``check`` (raising :class:`InvalidReply`) decides which replies are valid (see ``RoundEngine.send``)."""
+        return self.engine.send(self.grid, partitions, message_type, shared, per_partition, stage, self.round,
+                                self.record, check)
 
 
 # ============================================================================= aggregation rules
@@ -140,7 +141,7 @@ class AggregationRule:
     def check_reply(self, reply: Reply, model: ModelSpec) -> None:
         """Check what this rule reads from one client's train reply before anything uses it; raise
         :class:`InvalidReply` (the client's recorded failure) if it is unusable. The round engine calls it
-        for every reply (``RoundEngine.check_reply``), after its own checks (the example count) and the
+        for every reply (``fedsim.replies.ReplyChecker.check_reply``), after its own checks (the example count) and the
         channel's, before observers, the rule and the transforms see the reply. Default: nothing to check."""
 
     def aggregate(self, ctx: RoundContext, replies: list[Reply]) -> Any:
@@ -206,7 +207,7 @@ class ServerTransform:
     def check_reply(self, reply: Reply, model: ModelSpec) -> None:
         """Check what this transform reads from one client's train reply before anything uses it; raise
         :class:`InvalidReply` (the client's recorded failure) if it is unusable. The round engine calls it
-        for every reply (``RoundEngine.check_reply``), after its own checks (the example count) and the
+        for every reply (``fedsim.replies.ReplyChecker.check_reply``), after its own checks (the example count) and the
         channel's, before observers, the rule and the transforms see the reply. Default: nothing to check."""
 
     def client_defenses(self) -> list[dict[str, Any]]:
@@ -283,9 +284,9 @@ class ServerChannel:
         """Check one reply's payload against the model and this channel's settings before anything uses
         it; raise :class:`ChannelError` (an :class:`InvalidReply`) naming what is wrong if it is unusable:
         the reply becomes that client's recorded failure. May keep what it parsed in ``reply.extra`` (or
-        the decoded arrays). The round engine calls it once per train reply (``RoundEngine.check_reply``),
-        after checking the example count; a reply standing for several clients (``Reply.contributors``)
-        is checked as one. Default: no payload check (a channel with a payload must override it)."""
+        the decoded arrays). The round engine calls it once per train reply
+        (``fedsim.replies.ReplyChecker.check_reply``), after checking the example count; a reply standing
+        for several clients (``Reply.contributors``) is checked as one. Default: no payload check (a channel with a payload must override it)."""
 
     def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> Any:
         """The weighted mean of the replies' models, as a state."""

@@ -25,8 +25,8 @@ from fedsim.crypto import ckks
 from fedsim.crypto.errors import IntegrityError
 from fedsim.keydelivery import SealedKeyServer
 from fedsim.protocol import ARRAYS, CHANNEL, ENCRYPT_SECONDS, PAYLOAD, arrays_record
-from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WEIGHTED_SUM, ChannelError, ModelSpec, ServerChannel
+from fedsim.replies import ChannelError, ModelSpec, Reply
+from fedsim.seams import WEIGHTED_SUM, RoundContext, ServerChannel
 
 _STATE_MAGIC = b"FSCS1"
 
@@ -96,7 +96,7 @@ class CkksChannel(SealedKeyServer, ServerChannel):
             raise ChannelError(f"payload rejected ({exc.field}): {exc}") from None
 
     def check_reply(self, reply: Reply, model: ModelSpec) -> None:
-        """The per-reply check (``RoundEngine.check_reply``; see :meth:`check_payload`)."""
+        """The per-reply check (``fedsim.replies.ReplyChecker.check_reply``; see :meth:`check_payload`)."""
         if not reply.has(CHANNEL) or PAYLOAD not in reply.record(CHANNEL):
             raise ChannelError("the reply carries no ciphertexts")
         rec = reply.record(CHANNEL)

@@ -24,8 +24,7 @@ import numpy as np
 from fedsim.compensation import VARIANCE_RULES, GlobalUpdateCompensation
 from fedsim.components import TRANSFORMS
 from fedsim.protocol import NOISE_VARIANCE
-from fedsim.rounds import RoundContext
-from fedsim.seams import ServerTransform
+from fedsim.seams import RoundContext, ServerTransform
 
 
 def _floating(a: np.ndarray) -> bool:

@@ -85,9 +85,9 @@ from flwr.serverapp.strategy import (
 from fedsim.components import STRATEGIES, ConfigError, declared_params
 from fedsim.privacy import AGAINST_RELEASE, Mechanism
 from fedsim.protocol import ARRAYS, METRICS, arrays_record, decode_array
-from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import INDIVIDUAL, PLAINTEXT_AGGREGATE, AggregationRule, ModelSpec
-from fedsim.training import derive_seed
+from fedsim.replies import ModelSpec, Reply
+from fedsim.seams import INDIVIDUAL, PLAINTEXT_AGGREGATE, AggregationRule, RoundContext
+from fedsim.seeding import derive_seed
 
 from .flower import _check_range, _Nodes
 

@@ -7,8 +7,8 @@ combines ciphertexts with the same weights, Flower's SecAgg+ unmasks only the me
 from __future__ import annotations
 
 from fedsim.components import STRATEGIES
-from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import EXAMPLE_WEIGHTED_MEAN, WeightedSumRule
+from fedsim.replies import Reply
+from fedsim.seams import EXAMPLE_WEIGHTED_MEAN, RoundContext, WeightedSumRule
 
 
 @STRATEGIES.register

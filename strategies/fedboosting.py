@@ -52,9 +52,9 @@ from fedsim.protocol import (
     TRAIN_LOSS,
     for_model,
 )
-from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import InvalidReply, ModelSpec, WeightedSumRule
-from fedsim.training import derive_seed
+from fedsim.replies import InvalidReply, ModelSpec, Reply
+from fedsim.seams import RoundContext, WeightedSumRule
+from fedsim.seeding import derive_seed
 
 SHARES = ("equal", "random")
 SECRET_SOURCES = ("entropy", "seed")

@@ -60,8 +60,8 @@ from flwr.serverapp import strategy as flwr_strategy
 
 from fedsim.components import STRATEGIES, declared_params
 from fedsim.protocol import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, SERVER_ROUND, arrays_record, decode_array
-from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import AggregationRule
+from fedsim.replies import Reply
+from fedsim.seams import AggregationRule, RoundContext
 
 log = logging.getLogger("fedsim")
 

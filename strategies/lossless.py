@@ -41,16 +41,9 @@ from fedsim.protocol import (
     LOSSLESS_TERMS,
     arrays_record,
 )
-from fedsim.rounds import RoundContext
-from fedsim.seams import (
-    INDIVIDUAL,
-    PLAINTEXT_AGGREGATE,
-    InvalidReply,
-    ModelSpec,
-    ServerTransform,
-    WeightedSumRule,
-)
-from fedsim.training import derive_seed
+from fedsim.replies import InvalidReply, ModelSpec
+from fedsim.seams import INDIVIDUAL, PLAINTEXT_AGGREGATE, RoundContext, ServerTransform, WeightedSumRule
+from fedsim.seeding import derive_seed
 
 MODES = ("auto", "paper", "shift")
 SECRET_SOURCES = ("seed", "entropy")

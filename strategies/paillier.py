@@ -67,8 +67,8 @@ from fedsim.protocol import (
     TRAIN,
     arrays_record,
 )
-from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WEIGHTED_SUM, ChannelError, InvalidReply, ModelSpec, ServerChannel
+from fedsim.replies import ChannelError, InvalidReply, ModelSpec, Reply
+from fedsim.seams import WEIGHTED_SUM, RoundContext, ServerChannel
 
 log = logging.getLogger("fedsim")
 ENCRYPT = ("update", "model")
@@ -318,7 +318,7 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
         return h, ciphertexts
 
     def check_reply(self, reply: Reply, model: ModelSpec) -> None:
-        """The per-reply check (``RoundEngine.check_reply`` calls it for every train reply; see
+        """The per-reply check (``fedsim.replies.ReplyChecker.check_reply`` calls it for every train reply; see
         :meth:`check_payload`): a bad payload is this client's recorded failure, never a crash of the
         combination. Keeps the payload in ``reply.extra`` and notes which global model the client holds."""
         if not reply.has(CHANNEL) or PAYLOAD not in reply.record(CHANNEL):

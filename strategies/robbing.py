@@ -28,7 +28,7 @@ from fedsim.models.imprint import (
     quantile_bins,
 )
 from fedsim.seams import ServerTransform
-from fedsim.training import derive_seed
+from fedsim.seeding import derive_seed
 
 PREFIX = "imprint."
 

@@ -139,6 +139,71 @@ def test_the_checker_allows_what_the_layers_allow(path, source):
     assert violations({path: source}) == []
 
 
+
+# ------------------------------------------------------------------------------ import cycles
+CYCLE_PACKAGES = ("fedsim", "strategies", "clients", "attacks")
+
+
+def import_cycles(files: dict[str, str]) -> list[list[str]]:
+    """Groups of modules that import each other, directly or through others (strongly connected
+    components of the import graph; every import counts, function-level ones too). An import names
+    the module it resolves to (``from a.b import name`` -> ``a.b``, ``from a import b`` -> ``a.b``)."""
+    modules = {module_name(ROOT / rel): rel for rel in files}
+    graph: dict[str, set[str]] = {}
+    for module, rel in modules.items():
+        found = imports_of(files[rel], module, rel.endswith("__init__.py"))
+        submodules = {(line, t.rpartition(".")[0]) for line, t in found if t in modules}
+        deps = set()
+        for line, target in found:
+            if (line, target) in submodules:
+                continue  # ``from pkg import submodule`` imports the submodule, not what pkg/__init__ adds
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                deps.add(target)
+        graph[module] = deps
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_cycles():
+    files = {str(p.relative_to(ROOT)): p.read_text() for pkg in CYCLE_PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    assert len(files) > 40
+    assert import_cycles(files) == []
+
+
+def test_the_cycle_checker_catches_a_cycle_through_a_function_level_import():
+    files = {"attacks/__init__.py": "from . import base, batched, dlg\n",
+             "attacks/base.py": "from attacks import batched\n",
+             "attacks/batched.py": "from ._common import Target\n",
+             "attacks/_common.py": "def f():\n    from .base import AttackInput\n",
+             "attacks/dlg.py": "from attacks.base import Attack\n"}
+    assert import_cycles(files) == [["attacks._common", "attacks.base", "attacks.batched"]]
+    files["attacks/_common.py"] = "def f():\n    import math\n"  # the cycle broken
+    assert import_cycles(files) == []
+
 # ------------------------------------------------------------------------------ the message protocol
 def wire_keys() -> dict[str, str]:
     """Every string constant of fedsim/protocol.py that names a record, key, state entry or message type."""

@@ -1,7 +1,7 @@
 """Gradient-leakage attacks on victim updates produced the realistic way.
 
-Every victim update comes from :func:`fedsim.training.local_train` on real fmnist-small images; the
-ground truth is recovered with :func:`fedsim.training.batch_schedule` (as the scorer does) and only the
+Every victim update comes from :func:`fedsim.training.local.local_train` on real fmnist-small images; the
+ground truth is recovered with :func:`fedsim.training.batches.batch_schedule` (as the scorer does) and only the
 metrics see it. Thresholds were measured on these seeded runs (the measured values are in comments)
 and set with a margin; they fail if an attack breaks.
 """
@@ -24,7 +24,9 @@ from attacks.labels import infer_label_counts, infer_labels, infer_labels_batch,
 from fedsim.data.registry import load_dataset
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
-from fedsim.training import Recipe, batch_schedule, local_train
+from fedsim.training.batches import batch_schedule
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 DS = load_dataset("fmnist-small")
 SHAPE = DS.in_shape

@@ -1,7 +1,7 @@
 """Stronger attacks: the BN-statistics prior (``ig-bn``), seed 004's attack (``ig-fr``) and Robbing
 the Fed (``robbing``, malicious server).
 
-Victim updates come from :func:`fedsim.training.local_train` on real fmnist-small images (one local
+Victim updates come from :func:`fedsim.training.local.local_train` on real fmnist-small images (one local
 SGD step on the whole batch, so the batch is known to the scorer); only the metrics see the truth.
 Thresholds were measured on these seeded runs (values in comments) and set with a margin.
 """
@@ -27,7 +27,8 @@ from fedsim.models.imprint import (
     measurement_vector,
     quantile_bins,
 )
-from fedsim.training import Recipe, local_train
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 DS = load_dataset("fmnist-small")
 SHAPE = DS.in_shape

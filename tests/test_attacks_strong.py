@@ -1,6 +1,6 @@
 """Stronger attacks: GRNN, the attacks' strongest defaults, all victims of a round at once.
 
-Victims are produced the realistic way (:func:`fedsim.training.local_train`, one FedSGD step on
+Victims are produced the realistic way (:func:`fedsim.training.local.local_train`, one FedSGD step on
 fmnist-small images, DLG's sigmoid LeNet with U(-0.5, 0.5) init); the victims of a round share the
 global model. Thresholds were measured on these seeded runs (values in comments) and set with a margin;
 ``benchmarks/attack_strength.py`` has the full measurement (docs/benchmarks.md).
@@ -15,12 +15,15 @@ import torch
 
 from attacks import AttackInput, build_attack
 from attacks._common import prepare_target
-from attacks.batched import BatchedLBFGS, StackedTarget, group_inputs
+from attacks.base import group_inputs
+from attacks.batched import BatchedLBFGS, StackedTarget
 from attacks.grnn import GRNNGenerator, build_generator, grnn_loss, sorted_target, wasserstein
 from fedsim.data.registry import load_dataset
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
-from fedsim.training import Recipe, batch_schedule, local_train
+from fedsim.training.batches import batch_schedule
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 DS = load_dataset("fmnist-small")
 SHAPE = DS.in_shape

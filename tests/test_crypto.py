@@ -28,6 +28,7 @@ from fedsim.crypto.packing import (
     required_slot_bits,
     unpack,
 )
+from fedsim.crypto.paillier.payload import _build_payload as build_payload
 from fedsim.crypto.quantize import Quantizer, aggregate_error_bound, integer_weights
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -281,7 +282,7 @@ def test_canary_catches_corrupted_and_wrong_key_aggregates(key_a, key_b):
     pk_b, sk_b = key_b
     codec_b = pl.PaillierCodec(pk_b, Quantizer(bits=16, clip=0.5), 64, private_key=sk_b)
     h = pl.parse_header(agg)
-    wrong = pl._build_payload(pk_b, mode=h.mode, bits=h.bits, slot_bits=h.slot_bits, slots=h.slots, clip=h.clip,
+    wrong = build_payload(pk_b, mode=h.mode, bits=h.bits, slot_bits=h.slot_bits, slots=h.slots, clip=h.clip,
                               max_total_weight=h.max_total_weight, total_weight=h.total_weight,
                               num_values=h.num_values, ciphertexts=[c % pk_b.nsquare for c in cts])
     pl.verify(pk_b, wrong)
@@ -291,7 +292,7 @@ def test_canary_catches_corrupted_and_wrong_key_aggregates(key_a, key_b):
     with pytest.raises(IntegrityError, match="total_weight"):
         codec.decode(agg, SHAPES, total_weight=11)
     head = bytearray(agg[:pl.HEADER_BYTES])
-    lied = pl._build_payload(pk, mode=h.mode, bits=h.bits, slot_bits=h.slot_bits, slots=h.slots, clip=h.clip,
+    lied = build_payload(pk, mode=h.mode, bits=h.bits, slot_bits=h.slot_bits, slots=h.slots, clip=h.clip,
                              max_total_weight=h.max_total_weight, total_weight=13, num_values=h.num_values,
                              ciphertexts=cts)
     assert bytes(head) != lied[:pl.HEADER_BYTES]
@@ -301,7 +302,7 @@ def test_canary_catches_corrupted_and_wrong_key_aggregates(key_a, key_b):
     per = pl.PaillierCodec(pk, Quantizer(bits=16, clip=0.5), 64, private_key=sk, packed=False)
     p_agg = per.encode(client_updates(7, 1)[0])
     hp, pcts = pl.read_ciphertexts(pk, p_agg)
-    wrong_p = pl._build_payload(pk_b, mode=hp.mode, bits=hp.bits, slot_bits=0, slots=1, clip=hp.clip,
+    wrong_p = build_payload(pk_b, mode=hp.mode, bits=hp.bits, slot_bits=0, slots=1, clip=hp.clip,
                                 max_total_weight=64, total_weight=1, num_values=NUM,
                                 ciphertexts=[c % pk_b.nsquare for c in pcts])
     with pytest.raises(IntegrityError, match="range"):

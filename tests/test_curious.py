@@ -11,7 +11,9 @@ import torch
 from conftest import RecordingObserver
 from torch.nn import functional as F
 
-from attacks.curious import CuriousServer, select_truth
+from attacks.curious import CuriousServer
+from attacks.leakage_figures import plot_series
+from attacks.leakage_scoring import select_truth
 from fedsim.app import load_config
 from fedsim.app.cli import main as cli_main
 from fedsim.app.runner import run_experiment
@@ -50,7 +52,7 @@ def test_simulation_with_curious_server_writes_leakage_outputs(demo_run):
     assert all(r["label_acc"] == 1.0 for r in rows)
     assert (out / "reconstruction_idlg.png").stat().st_size > 1000
     # leakage.png plots, per attack, the mean SSIM of each attacked round against the round and the accuracy
-    rounds, ssim, acc = curious.plot_series()["idlg"]
+    rounds, ssim, acc = plot_series(curious.rows, curious.names, "ssim")["idlg"]
     metrics = {r["round"]: r for r in read_jsonl(out / "metrics.jsonl")}
     assert rounds == [1] and ssim == [pytest.approx(np.mean([r["ssim"] for r in rows]))]
     assert acc == [pytest.approx(metrics[1]["accuracy"])]
@@ -90,13 +92,13 @@ def test_scorer_recreates_exactly_the_batch_the_victim_trained_on(demo_run):
 def test_victim_and_round_selection(tmp_path):
     base = demo_cfg(tmp_path)
     c = CuriousServer.from_config({**base, "attack": {"name": "idlg", "every": 2, "victims": 3, "seed": 1}})
-    assert [r for r in range(1, 8) if c.attacks_round(r)] == [1, 3, 5, 7]
-    picked = c._chosen_victims(1, list(range(10)))
-    assert len(picked) == 3 and picked == c._chosen_victims(1, list(range(10)))  # seeded
+    assert [r for r in range(1, 8) if c.plan.attacks_round(r)] == [1, 3, 5, 7]
+    picked = c.plan.chosen_victims(1, list(range(10)))
+    assert len(picked) == 3 and picked == c.plan.chosen_victims(1, list(range(10)))  # seeded
     c = CuriousServer.from_config({**base, "attack": {"name": "idlg", "rounds": "all", "victims": "sampled"}})
-    assert all(c.attacks_round(r) for r in range(1, 5)) and c._chosen_victims(2, [4, 1]) == [1, 4]
+    assert all(c.plan.attacks_round(r) for r in range(1, 5)) and c.plan.chosen_victims(2, [4, 1]) == [1, 4]
     c = CuriousServer.from_config({**base, "attack": {"name": "idlg", "rounds": [2], "victims": [7, 2]}})
-    assert not c.attacks_round(1) and c.attacks_round(2) and c._chosen_victims(2, [2, 3, 4]) == [2]
+    assert not c.plan.attacks_round(1) and c.plan.attacks_round(2) and c.plan.chosen_victims(2, [2, 3, 4]) == [2]
 
 
 @pytest.mark.parametrize("attack, message", [
@@ -280,7 +282,8 @@ def test_bn_statistics_knowledge_grants_the_victims_batch_statistics(tmp_path):
     statistics of the victim's first batch under the global model (recomputed here), and the rows say so."""
     from attacks.bn_prior import batch_bn_stats
     from fedsim.factories import client_data
-    from fedsim.training import Recipe, batch_schedule
+    from fedsim.training.batches import batch_schedule
+    from fedsim.training.recipe import Recipe
 
     cfg = demo_cfg(tmp_path, "federation.rounds=1", 'model.norm="batch"', "train.batch_size=4")
     cfg["attack"] = {"name": "ig-bn", "rounds": [1], "victims": [0], "knowledge": [{"name": "bn-statistics"}],

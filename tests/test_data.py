@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedsim.data import DATASETS, DatasetUnavailable, load_dataset, partition
+from fedsim.data import DatasetUnavailable, builtin_datasets, load_dataset, partition
 from fedsim.data import registry as reg
 
 # a label vector with a known, balanced class structure (like fmnist-small's training set)
@@ -170,7 +170,7 @@ def test_fmnist_missing_says_how_to_get_it(monkeypatch, tmp_path):
         load_dataset.__wrapped__("fmnist")  # bypass the per-process cache
     msg = str(exc.value)
     assert "apt-get install dataset-fashion-mnist" in msg and "data.data_dir" in msg
-    ok, detail = DATASETS["fmnist"].available(None)
+    ok, detail = builtin_datasets()["fmnist"].available(None)
     assert not ok and "apt-get install dataset-fashion-mnist" in detail
     with pytest.raises(DatasetUnavailable, match="data.data_dir"):
         load_dataset.__wrapped__("fmnist", str(tmp_path / "empty"))
@@ -191,7 +191,7 @@ def test_fmnist_reads_idx_files_from_data_dir(monkeypatch, tmp_path):
     d.mkdir()
     for name, arr in zip(reg.FMNIST_FILES, (xtr, ytr, xte, yte)):
         _write_idx(d / f"{name}.gz", arr)
-    assert DATASETS["fmnist"].available(str(d))[0]
+    assert builtin_datasets()["fmnist"].available(str(d))[0]
     ds = load_dataset.__wrapped__("fmnist", str(d), False, 10)
     assert ds.x_train.shape == (50, 1, 28, 28) and ds.x_root.shape == (10, 1, 28, 28)
     assert ds.x_test.shape == (20, 1, 28, 28)
@@ -205,7 +205,7 @@ def test_fmnist_reads_idx_files_from_data_dir(monkeypatch, tmp_path):
 def test_torchvision_datasets_need_data_dir(name):
     with pytest.raises(DatasetUnavailable, match="data.data_dir"):
         load_dataset(name)
-    ok, detail = DATASETS[name].available(None)
+    ok, detail = builtin_datasets()[name].available(None)
     assert not ok and "data.data_dir" in detail
 
 
@@ -330,7 +330,7 @@ def test_a_malformed_per_source_accuracy_is_an_invalid_reply(small_cfg):
 
     from fedsim.app.server import Server
     from fedsim.protocol import EVAL_ACCURACY, EVAL_EXAMPLES, EVAL_LOSS, EVAL_SOURCE_ACCURACY, METRICS
-    from fedsim.seams import InvalidReply
+    from fedsim.replies import InvalidReply
 
     class Evaluation:  # a reply with a metrics record whose values are ``metrics`` (as Reply reads them)
         def __init__(self, metrics):
@@ -342,10 +342,10 @@ def test_a_malformed_per_source_accuracy_is_an_invalid_reply(small_cfg):
         def record(self, name):
             return MetricRecord({})
 
-    engine = Server(small_cfg(), None, [], progress=False).engine
+    checks = Server(small_cfg(), None, [], progress=False).engine.checks
     ok = {EVAL_LOSS: 1.0, EVAL_ACCURACY: 0.5, EVAL_EXAMPLES: 10}
-    engine.check_evaluation(Evaluation(ok))
-    engine.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: [0.25, 1.0]}))
+    checks.check_evaluation(Evaluation(ok))
+    checks.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: [0.25, 1.0]}))
     for bad in ([0.5, 1.5], [float("nan")], "0.5", [True], [0.5] * 65):
         with pytest.raises(InvalidReply, match=EVAL_SOURCE_ACCURACY):
-            engine.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: bad}))
+            checks.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: bad}))

@@ -2,7 +2,7 @@
 
 Setting (the one where DLG/iDLG work, seed 001 §3.2): the sigmoid LeNet of DLG with U(-0.5, 0.5)
 init, a victim holding one fmnist-small image, batch 1, lr 0.1. Every victim update comes from
-:func:`fedsim.training.local_train` with the defense pipeline built from ``[[defenses]]`` entries,
+:func:`fedsim.training.local.local_train` with the defense pipeline built from ``[[defenses]]`` entries,
 exactly as a client produces it; the attacker (iDLG, 300 L-BFGS iterations, labels read off the
 gradient) sees only the global weights, the update and the recipe; only the scorer sees the image.
 
@@ -32,11 +32,14 @@ import torch
 
 from attacks import AttackInput, build_attack
 from fedsim.app.cli import main
+from fedsim.build import client_pipeline
 from fedsim.data.registry import load_dataset
-from fedsim.defense import build_pipeline
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
-from fedsim.training import Recipe, batch_schedule, local_train, set_weights
+from fedsim.models.weights import set_weights
+from fedsim.training.batches import batch_schedule
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 DS = load_dataset("fmnist-small")
 SHAPE = DS.in_shape
@@ -74,7 +77,7 @@ def make_victim(k: int, defenses=(), steps: int = 1, round: int = 1):
     idx = [IMAGES[k]] if round == 1 else [IMAGES[k], IMAGES[k] + 1]
     x, y = DS.x_train[idx], DS.y_train[idx]
     recipe = Recipe(lr=LR, batch_size=1, local_steps=steps)
-    pipeline = build_pipeline(list(defenses))  # one pipeline object for the client's lifetime
+    pipeline = client_pipeline({"defenses": list(defenses)})  # one pipeline object for the client's lifetime
     state: dict[str, np.ndarray] = {}
     for r in range(1, round + 1):
         global_state = {n: v.detach().clone() for n, v in net.state_dict().items()}

@@ -12,9 +12,12 @@ from torch.nn import functional as F
 from clients.clipping import DPSGD, ClipGradient, ClipUpdate
 from clients.noise import GaussianNoise, LaplaceNoise
 from clients.pruning import PLD, Compress, GradDropout, Prune
-from fedsim.defense import DefenseContext, build_pipeline
+from fedsim.build import client_pipeline
+from fedsim.defense import DefenseContext
 from fedsim.models import build_model
-from fedsim.training import Recipe, local_train, param_names
+from fedsim.models.weights import param_names
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 
 def _model(norm: str = "none", hidden=(64,), n_in: int = 20, seed: int = 0) -> torch.nn.Module:
@@ -205,7 +208,7 @@ def test_dp_sgd_rejects_batchnorm_in_train_mode():
 def test_dp_sgd_accountant_accumulates_over_rounds_via_state():
     x, y = _data(40)
     recipe = Recipe(lr=0.1, batch_size=8, local_steps=3)
-    pipe = build_pipeline([{"name": "dp-sgd", "clip_norm": 1.0, "noise_multiplier": 1.1, "delta": 1e-5}])
+    pipe = client_pipeline({"defenses": [{"name": "dp-sgd", "clip_norm": 1.0, "noise_multiplier": 1.1, "delta": 1e-5}]})
     state, eps = {}, []
     for rnd in range(1, 4):
         model = _model(hidden=(16,))
@@ -348,20 +351,20 @@ def test_grad_dropout_fraction():
 # ----------------------------------------------------------------------------------------- config
 
 
-def test_build_pipeline_errors():
+def test_client_pipeline_errors():
     with pytest.raises(ValueError, match=r"defenses\[0\]\.name"):
-        build_pipeline([{"name": "no-such-defense"}])
+        client_pipeline({"defenses": [{"name": "no-such-defense"}]})
     with pytest.raises(ValueError, match=r"defenses\[1\]\.sigmaa"):
-        build_pipeline([{"name": "prune", "ratio": 0.5}, {"name": "gaussian-noise", "sigmaa": 0.1}])
+        client_pipeline({"defenses": [{"name": "prune", "ratio": 0.5}, {"name": "gaussian-noise", "sigmaa": 0.1}]})
     with pytest.raises(ValueError, match=r"defenses\[0\].*ratio"):
-        build_pipeline([{"name": "compress"}])
+        client_pipeline({"defenses": [{"name": "compress"}]})
     with pytest.raises(ValueError, match=r"defenses\[0\].*exactly one"):
-        build_pipeline([{"name": "gaussian-noise"}])
+        client_pipeline({"defenses": [{"name": "gaussian-noise"}]})
     with pytest.raises(ValueError, match=r"defenses\[0\].*ratio"):
-        build_pipeline([{"name": "prune", "ratio": 1.5}])
+        client_pipeline({"defenses": [{"name": "prune", "ratio": 1.5}]})
     with pytest.raises(ValueError, match="only one defense may compute gradients"):
-        build_pipeline([{"name": "dp-sgd", "clip_norm": 1.0}, {"name": "dp-sgd", "clip_norm": 2.0}])
-    (pld,) = build_pipeline([{"name": "pld", "ratio": 0.6, "layers": ["fc.*"]}]).defenses  # the entry's values
+        client_pipeline({"defenses": [{"name": "dp-sgd", "clip_norm": 1.0}, {"name": "dp-sgd", "clip_norm": 2.0}]})
+    (pld,) = client_pipeline({"defenses": [{"name": "pld", "ratio": 0.6, "layers": ["fc.*"]}]}).defenses  # the entry's values
     assert (type(pld).__name__, pld.ratio, pld.layers, pld.scope) == ("PLD", 0.6, ["fc.*"], "global")
 
 
@@ -375,7 +378,7 @@ def _sent(model0_sd, weights):
 def test_local_train_two_defenses_metrics_and_state_round_trip():
     x, y = _data(32)
     recipe = Recipe(lr=0.5, batch_size=8, local_steps=2)
-    pipe = build_pipeline([{"name": "compress", "ratio": 0.8}, {"name": "gaussian-noise", "sigma": 0.0}])
+    pipe = client_pipeline({"defenses": [{"name": "compress", "ratio": 0.8}, {"name": "gaussian-noise", "sigma": 0.0}]})
     sd0 = _model(hidden=(16,)).state_dict()
     state: dict[str, np.ndarray] = {}
     sent_total = raw_total = None
@@ -451,7 +454,7 @@ def test_a_defense_computing_the_gradient_updates_batchnorm_statistics_once_per_
     in plain training (same initial model, same batch, one step)."""
     from fedsim.app import load_config
     from fedsim.factories import client_data, model_for
-    from fedsim.training import Recipe
+    from fedsim.training.recipe import Recipe
 
     cfg = load_config(None, ['model.norm="batch"', "train.local_steps=1", "train.batch_size=8",
                              "federation.num_clients=4"])
@@ -462,6 +465,6 @@ def test_a_defense_computing_the_gradient_updates_batchnorm_statistics_once_per_
         model = model_for(cfg)
         names = list(model.state_dict())
         res = local_train(model, x, y, Recipe.from_mapping(cfg["train"]), seed=0, round=1, client=0,
-                          pipeline=build_pipeline(entries))
+                          pipeline=client_pipeline({"defenses": entries}))
         out.append({n: w for n, w in zip(names, res.weights) if "running_" in n})
     assert out[0] and all(np.array_equal(out[0][k], out[1][k]) for k in out[0])

@@ -651,7 +651,8 @@ def test_startup_apart_from_rounds_csv_tensorboard_and_client_evaluation(tmp_pat
     from fedsim.app import build_components
     from fedsim.export import read_events
     from fedsim.factories import client_data, model_for
-    from fedsim.training import evaluate, set_weights
+    from fedsim.models.weights import set_weights
+    from fedsim.training.evaluation import evaluate
 
     cfg = make_small_cfg("evaluate.client_fraction=1.0", 'output.observers=["tensorboard"]', "federation.rounds=2")
     out = tmp_path / "run"
@@ -717,7 +718,9 @@ def test_momentum_weight_decay_and_proximal_term_match_torch_sgd():
     """local_train with momentum, weight decay and FedProx's proximal term = torch.optim.SGD on
     loss + mu/2 ||w - w0||^2 over the same batches."""
     from fedsim.models import build_model
-    from fedsim.training import Recipe, batch_schedule, local_train
+    from fedsim.training.batches import batch_schedule
+    from fedsim.training.local import local_train
+    from fedsim.training.recipe import Recipe
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand(40, 1, 28, 28, generator=g), torch.randint(0, 10, (40,), generator=g)
@@ -747,7 +750,8 @@ def test_attack_side_knows_momentum_and_weight_decay():
     decay; several steps: the replay with momentum/weight decay/proximal term reproduces the update."""
     from attacks.gradients import assumed_schedule, simulate_update, update_to_gradient
     from fedsim.models import build_model
-    from fedsim.training import Recipe, local_train
+    from fedsim.training.local import local_train
+    from fedsim.training.recipe import Recipe
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
@@ -784,7 +788,7 @@ def test_attack_side_knows_momentum_and_weight_decay():
 
 def test_lr_schedule_reaches_clients_and_attacker(tmp_path):
     from fedsim.protocol import CONFIG, LR, TRAIN
-    from fedsim.training import scheduled_lr
+    from fedsim.training.schedule import scheduled_lr
 
     t = {"lr": 0.1, "lr_schedule": "step", "lr_gamma": 0.5, "lr_step_rounds": 2}
     assert [scheduled_lr(t, r, 6) for r in range(1, 7)] == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025, 0.025])

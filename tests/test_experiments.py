@@ -235,7 +235,7 @@ def test_report_figures_are_drawn_linked_or_noted(tmp_path):
     """``[[report.figures]]``: a hook that draws is linked right after the header, one that returns None
     (cannot draw from these runs) leaves no section, one that fails is noted and the report still written;
     a file reference is relative to the experiment file."""
-    from fedsim.app.sweep import experiment_figures
+    from fedsim.app.sweep_report import experiment_figures
 
     (tmp_path / "figs.py").write_text(
         "from pathlib import Path\n"

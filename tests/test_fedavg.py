@@ -18,8 +18,9 @@ from fedsim.data import partition
 from fedsim.defense import DEFENSES, Defense
 from fedsim.factories import dataset_for, model_for
 from fedsim.inprocess import InProcessGrid
+from fedsim.replies import Reply
 from fedsim.reports import read_jsonl
-from fedsim.rounds import Reply, sample_partitions
+from fedsim.rounds import sample_partitions
 from fedsim.seams import PlainChannel
 
 

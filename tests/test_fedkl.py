@@ -35,9 +35,10 @@ from fedsim.config import ConfigError
 from fedsim.factories import dataset_for, model_for
 from fedsim.inprocess import InProcessGrid
 from fedsim.models import build_model, keylock
+from fedsim.models.weights import set_weights
 from fedsim.protocol import STATE_DEFENSES
 from fedsim.reports import read_jsonl
-from fedsim.training import evaluate, set_weights
+from fedsim.training.evaluation import evaluate
 
 # ---------------------------------------------------------------------------------- the module itself
 MODELS = [("lenet", "batch", (1, 28, 28)), ("lenet", "none", (1, 28, 28)), ("convnet", None, (1, 28, 28)),

@@ -20,11 +20,13 @@ from fedsim.components import CHANNELS, STRATEGIES
 from fedsim.config import ConfigError
 from fedsim.factories import client_data, model_for
 from fedsim.inprocess import InProcessGrid
+from fedsim.models.weights import set_weights
 from fedsim.observers import ClientUpdate
 from fedsim.protocol import ARRAYS, EXTRAS, LOSSLESS_GROUPS, LOSSLESS_MODEL, LOSSLESS_R_A, LOSSLESS_TERMS
 from fedsim.reports import read_jsonl, write_json, write_jsonl
 from fedsim.seams import PLAINTEXT_AGGREGATE, WEIGHTED_SUM, AggregationRule, PlainChannel
-from fedsim.training import Recipe, batch_schedule, set_weights
+from fedsim.training.batches import batch_schedule
+from fedsim.training.recipe import Recipe
 
 MLP = dict(model__name="mlp", train__local_steps=1, train__loss="mse", train__lr=0.1, train__batch_size=8,
            federation__num_clients=4)

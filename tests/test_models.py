@@ -6,7 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from fedsim.models import MODELS, build_model
+from fedsim.models import build_model, builtin_models
+
+MODELS = builtin_models()
 
 IMAGE_MODELS = [m for m in MODELS if m != "mlp"]
 
@@ -147,7 +149,7 @@ def test_image_model_on_tabular_data_is_rejected(name):
 def test_set_weights_writes_every_parameter_and_buffer(name, norm):
     """set_weights copies in place (the per-message fast path): every state_dict entry, buffers and
     BatchNorm's integer counter included, takes the given value, and a wrong count or shape is refused."""
-    from fedsim.training import get_weights, set_weights
+    from fedsim.models.weights import get_weights, set_weights
 
     shape = (30,) if name == "mlp" else (1, 28, 28)
     model = build_model(name, shape, 10, norm=norm)

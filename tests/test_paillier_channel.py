@@ -49,6 +49,8 @@ from fedsim.crypto.paillier import (
     private_key_to_bytes,
     public_key_from_bytes,
 )
+from fedsim.crypto.paillier.payload import _HEAD as PAYLOAD_HEAD
+from fedsim.crypto.paillier.payload import _ciphertexts as read_payload_ciphertexts
 from fedsim.crypto.quantize import Quantizer, range_exponent
 from fedsim.inprocess import InProcessGrid
 from fedsim.protocol import CHANNEL, PAYLOAD, PAYLOADS, RANGE_EXPONENT, STATE_CHANNEL
@@ -205,8 +207,8 @@ def test_integer_weights_are_reduced_by_their_common_divisor_exactly():
     full, reduced = codec.combine(payloads, [10, 20, 30]), codec.combine(payloads, ch.integer_weights([10, 20, 30]))
     np.testing.assert_array_equal(codec.decode(full, [(40,)])[0], codec.decode(reduced, [(40,)])[0])
     n = pk.n
-    plain = [[sk.raw_decrypt(c) for c in pl._ciphertexts(p, parse_header(p))] for p in payloads]
-    got = [sk.raw_decrypt(c) for c in pl._ciphertexts(reduced, parse_header(reduced))]
+    plain = [[sk.raw_decrypt(c) for c in read_payload_ciphertexts(p, parse_header(p))] for p in payloads]
+    got = [sk.raw_decrypt(c) for c in read_payload_ciphertexts(reduced, parse_header(reduced))]
     assert got == [(m0 + 2 * m1 + 3 * m2) % n for m0, m1, m2 in zip(*plain)]
 
 
@@ -527,7 +529,7 @@ class Drop:
 
 def _rewrite(payload: bytes, drop_last: bool = False, **fields) -> bytes:
     """A payload with header fields replaced (and the digest recomputed, as anyone can)."""
-    head = list(pl._HEAD.unpack_from(payload, 0))
+    head = list(PAYLOAD_HEAD.unpack_from(payload, 0))
     names = ["magic", "version", "mode", "bits", "slot_bits", "slots", "key_bits", "clip", "max_total_weight",
              "total_weight", "num_values", "num_ciphertexts", "width", "fingerprint"]
     for k, v in fields.items():
@@ -537,7 +539,7 @@ def _rewrite(payload: bytes, drop_last: bool = False, **fields) -> bytes:
         width = head[names.index("width")]
         body = body[:-width]
         head[names.index("num_ciphertexts")] -= 1
-    h = pl._HEAD.pack(*head)
+    h = PAYLOAD_HEAD.pack(*head)
     return h + hashlib.sha256(h + body).digest() + body
 
 

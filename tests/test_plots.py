@@ -10,6 +10,7 @@ import pytest
 
 import fedsim.reports
 from attacks.curious import CuriousServer
+from attacks.leakage_figures import leakage_plot
 from fedsim.reports import plot_accuracy
 
 
@@ -48,7 +49,7 @@ def test_leakage_plot_over_rounds_puts_rounds_on_integer_ticks(figures, small_cf
     obs.out = tmp_path
     obs.rows = [{"round": r, "attack": a, "client": 0, "ssim": 0.5, "psnr": 20.0, "accuracy": 0.1 * r}
                 for r in (1, 2, 3) for a in ("dlg", "idlg")]
-    obs._write_plots()
+    leakage_plot(obs.rows, obs.names, obs.records, obs.out / "leakage.png")
     ticks = _visible_ticks(figures[0].axes[0])
     assert len(ticks) >= 3 and all(float(t).is_integer() for t in ticks), ticks
 
@@ -61,7 +62,7 @@ def test_single_round_leakage_bars_have_their_client_label_under_their_middle(fi
     victims = [0, 2, 3]
     obs.rows = [{"round": 1, "attack": a, "client": v, "ssim": 0.3 + 0.1 * v, "psnr": 15.0 + v, "accuracy": 0.2}
                 for a in ("dlg", "idlg") for v in victims]
-    obs._write_plots()
+    leakage_plot(obs.rows, obs.names, obs.records, obs.out / "leakage.png")
     for ax in figures[0].axes:
         bars = [(p.get_x() + p.get_width() / 2) for p in ax.patches]
         assert len(bars) == 2 * len(victims)

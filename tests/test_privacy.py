@@ -15,8 +15,9 @@ from scipy.stats import norm
 
 from fedsim.app.client import client_app
 from fedsim.app.server import Server
+from fedsim.build import build_components
 from fedsim.components import OBSERVERS
-from fedsim.config import ConfigError, build_components
+from fedsim.config import ConfigError
 from fedsim.inprocess import InProcessGrid
 
 DP_SERVER = {"name": "flwr-dp-server-fixed", "noise_multiplier": 0.0, "clipping_norm": 0.01}  # raw norms 0.02-0.035
@@ -184,7 +185,8 @@ def test_local_mechanisms_are_accounted_per_client_and_dp_sgd_as_its_clients_cou
 
     from fedsim.factories import client_data, model_for
     from fedsim.protocol import train_config
-    from fedsim.training import Recipe, local_train
+    from fedsim.training.local import local_train
+    from fedsim.training.recipe import Recipe
 
     cfg = small_cfg(model__norm="none", defenses=[{"name": "dp-sgd", "clip_norm": 1.0, "noise_multiplier": 1.1}])
     parts = build_components(cfg)

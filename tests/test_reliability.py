@@ -38,7 +38,8 @@ from fedsim.interrupt import RunInterrupted, StopSignal
 from fedsim.reports import read_jsonl
 from fedsim.runfolder import RunFolderError, open_run_folder
 from fedsim.seams import ServerTransform
-from fedsim.training import Recipe, batch_schedule, iter_batches
+from fedsim.training.batches import batch_schedule, iter_batches
+from fedsim.training.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -189,10 +189,11 @@ class _NoOp(Defense):
 def test_no_defense_fast_path_is_bit_identical_to_the_pipeline(monkeypatch, recipe):
     """local_train without defenses skips the pipeline (no context, generator or hooks) and returns the
     same bits as the hook path (a pipeline of one do-nothing defense), BatchNorm buffers included."""
-    import fedsim.training as training
+    import fedsim.training.local as training
     from fedsim.defense import DefensePipeline
     from fedsim.models import build_model
-    from fedsim.training import Recipe, local_train
+    from fedsim.training.local import local_train
+    from fedsim.training.recipe import Recipe
 
     bound = []
     real = training._bind_pipeline

@@ -28,10 +28,11 @@ from fedsim.app.server import Server
 from fedsim.components import STRATEGIES, ConfigError
 from fedsim.factories import client_data
 from fedsim.inprocess import InProcessGrid
+from fedsim.replies import Reply
 from fedsim.reports import read_jsonl
-from fedsim.rounds import Reply, RoundContext
-from fedsim.seams import WeightedSumRule
-from fedsim.training import Recipe, batch_schedule
+from fedsim.seams import RoundContext, WeightedSumRule
+from fedsim.training.batches import batch_schedule
+from fedsim.training.recipe import Recipe
 
 # 5 clients of unequal size (222, 347, 595, 552, 284 examples): the weighting matters
 BASE = ("federation.rounds=1", "federation.num_clients=5", 'data.partition="dirichlet"', "data.alpha=1.0")
@@ -162,12 +163,12 @@ def test_defenses_and_flower_mods_run_inside_training_before_the_masking(small_c
 
 def test_flower_alone_halts_when_a_client_vanishes_before_sharing_keys(small_cfg, monkeypatch):
     """Flower 1.41 keeps such a client among the sampled ones and asks its neighbours for key shares they
-    never got: the repair in strategies/secagg.py (_Workflow) is what makes the case above pass."""
+    never got: the repair in strategies/secagg_workflow.py (Workflow) is what makes the case above pass."""
 
     class Vanilla(SecAggPlusWorkflow):
         last_check = None
 
-    monkeypatch.setattr(secagg_mod, "_Workflow", Vanilla)
+    monkeypatch.setattr(secagg_mod, "Workflow", Vanilla)
     cfg = small_cfg(*BASE, *secagg("channel.num_shares=5", "channel.reconstruction_threshold=3",
                                    "channel.dropout_clients=[2]", 'channel.dropout_stage="setup"',
                                    'channel.on_failure="continue"'))

@@ -14,16 +14,18 @@ from torch.nn import functional as F
 from clients.slicing import (
     _RISK_CACHE,
     LocalRandomPerturbation,
-    SlicingPlan,
     biased_root,
-    build_plan,
-    layer_risk,
     num_perturbed,
     reservoir_sample,
 )
-from fedsim.defense import DefensePipeline, build_pipeline
+from clients.slicing_plan import SlicingPlan, build_plan
+from clients.slicing_risk import layer_risk
+from fedsim.build import client_pipeline
+from fedsim.defense import DefensePipeline
 from fedsim.models import build_model
-from fedsim.training import Recipe, get_weights, local_train, set_weights
+from fedsim.models.weights import get_weights, set_weights
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 LENET_SIZES = [300, 12, 3600, 12, 3600, 12, 5880, 10]  # LeNet on 1x28x28, 10 classes
 
@@ -347,7 +349,7 @@ def test_lrp_per_sample_clipping_matches_manual_loop():
 
 
 def test_lrp_config_validation_and_registration():
-    pipe = build_pipeline([{"name": "lrp", "slices": 5, "gamma": 0.2, "risk": "size"}])
+    pipe = client_pipeline({"defenses": [{"name": "lrp", "slices": 5, "gamma": 0.2, "risk": "size"}]})
     (lrp,) = pipe.defenses  # the config entry's values reach the defense, defaults fill the rest
     assert isinstance(lrp, LocalRandomPerturbation)
     assert (lrp.slices, lrp.gamma, lrp.risk, lrp.sigma) == (5, 0.2, "size", 0.1)
@@ -392,4 +394,4 @@ def test_biased_root_set_table3c():
         assert torch.equal(ys, y[xs.flatten().long()])  # the samples travel with their labels
         assert len(set(xs.flatten().tolist())) == 20
     with pytest.raises(ValueError, match="root_bias"):
-        build_pipeline([{"name": "lrp", "root_bias": 1.5}])
+        client_pipeline({"defenses": [{"name": "lrp", "root_bias": 1.5}]})

@@ -77,7 +77,7 @@ def validate(cfg: dict[str, Any]) -> None:
 
 def build_components(cfg: dict[str, Any]) -> dict[str, Any]:
     """The run's components (rule, channel, transforms, defenses, Flower mods, observers)."""
-    from fedsim import config
+    from fedsim import build
 
     load_plugins()
-    return config.build_components(cfg)
+    return build.build_components(cfg)

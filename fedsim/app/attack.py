@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fedsim.app import validate
 from fedsim.config import ConfigError, absolute_references, apply_overrides, defaults
@@ -25,9 +25,9 @@ def oneshot_config(args: argparse.Namespace) -> dict[str, Any]:
         cfg["simulation"]["threads"] = args.threads
     cfg["federation"].update(rounds=1, num_clients=args.clients, clients_per_round=1)
     cfg["data"]["dataset"] = args.dataset
-    from fedsim.models import MODELS
+    from fedsim.models import is_builtin_model
 
-    builtin = args.model in MODELS  # a user's model takes its own parameters (--set model.params=...)
+    builtin = is_builtin_model(args.model)  # a user's model takes its own parameters (--set model.params=...)
     cfg["model"].update(name=args.model, activation=args.activation if builtin else None, init=args.init)
     cfg["train"].update(lr=args.lr, batch_size=args.batch_size, local_steps=args.local_steps, local_epochs=None)
     cfg["output"]["observers"] = []
@@ -46,9 +46,9 @@ def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True, stop: Any
     from fedsim.app.client import client_app
     from fedsim.app.server import Server
     from fedsim.config import dump_toml
+    from fedsim.device import torch_threads
     from fedsim.inprocess import InProcessGrid
     from fedsim.reports import atomic_write_text
-    from fedsim.training import torch_threads
 
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.toml", dump_toml(cfg))
@@ -83,7 +83,7 @@ def _cmd_attack(args: argparse.Namespace) -> int:
 
 
 def _attack(args: argparse.Namespace, stop: Any) -> int:
-    from fedsim.config import check_data
+    from fedsim.config_checks import check_data
     from fedsim.reports import new_run_dir
     from fedsim.runfolder import RunFolderError, open_run_folder
 
@@ -123,9 +123,8 @@ def _attack(args: argparse.Namespace, stop: Any) -> int:
     return 0
 
 
-def add_attack_command(sub: Any) -> None:
-    from fedsim.app.cli import output_arguments
-
+def add_attack_command(sub: Any, output_arguments: Callable[[Any], None]) -> None:
+    """The ``attack`` subcommand; ``output_arguments`` adds the CLI's shared --quiet/--verbose."""
     a = sub.add_parser("attack", help="attack a single client update (no federation)",
                        description="Train one client once from the seeded initial model, attack its update "
                                    "like a curious server, score the reconstruction and write a report.")

@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from fedsim.app.attack import add_attack_command
 
-    add_attack_command(sub)
+    add_attack_command(sub, output_arguments)
     return p
 
 

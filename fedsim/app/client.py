@@ -37,10 +37,12 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from fedsim.app import load_plugins
+from fedsim.build import client_pipeline
 from fedsim.checkpoint import restore_client_state, save_client_state
 from fedsim.components import CLIENT_CHANNELS, FLOWER_MODS
-from fedsim.config import client_pipeline
+from fedsim.device import resolve_device
 from fedsim.factories import client_data, client_validation_data, dataset_for, model_for
+from fedsim.models.weights import set_weights
 from fedsim.protocol import (
     CHANNEL_SETUP_ACTION,
     CONFIG,
@@ -78,7 +80,9 @@ from fedsim.protocol import (
     split_partition,
 )
 from fedsim.seams import ClientChannel
-from fedsim.training import Recipe, evaluate, local_train, resolve_device, set_weights, source_accuracies
+from fedsim.training.evaluation import evaluate, source_accuracies
+from fedsim.training.local import local_train
+from fedsim.training.recipe import Recipe
 
 load_plugins()
 

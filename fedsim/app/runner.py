@@ -30,14 +30,15 @@ from fedsim import progress
 from fedsim.app import build_components
 from fedsim.app.ray_runtime import ACTOR_RETRIES, backend_class, backend_config, quiet_logs, starting_line  # noqa: F401
 from fedsim.checkpoint import CHECKPOINT
-from fedsim.config import check_data, dump_toml
+from fedsim.config import dump_toml
+from fedsim.config_checks import check_data
+from fedsim.device import torch_threads
 from fedsim.factories import model_for
 from fedsim.interrupt import RunInterrupted, StopSignal, handle_signals
 from fedsim.observers import Observer
 from fedsim.protocol import num_nodes
 from fedsim.reports import atomic_write_text, new_run_dir
 from fedsim.runfolder import NOTHING_COMPLETED, RunFolderError, open_run_folder, read_summary
-from fedsim.training import torch_threads
 
 log = logging.getLogger("fedsim")
 # seconds between the server's polls for replies on Flower's simulation grid: its default 0.1 s adds

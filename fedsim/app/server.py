@@ -5,11 +5,11 @@ observers), lets the engine discover the clients and run the channel's setup exc
 every round:
 
 1. ``engine.run_round`` - send, collect, intercept (observers see every reply), aggregate; returns the
-   new global state and a :class:`fedsim.rounds.RoundRecord`;
-2. ``round_end`` - evaluate the global model (centrally when the server can read it, else by a client
-   on the common test split), stop if no client's model reached the aggregate (or, when the channel
-   says ``on_round_failure = "continue"``, record the round as failed and keep the global model), let
-   observers act on the round (the curious server attacks here, timed apart), append the row to
+   new global state and a :class:`fedsim.seams.RoundRecord`;
+2. ``round_end`` - evaluate the global model (:mod:`fedsim.app.evaluation`: centrally when the server
+   can read it, else by a client on the common test split), stop if no client's model reached the
+   aggregate (or, when the channel says ``on_round_failure = "continue"``, record the round as failed
+   and keep the global model), let observers act on the round (the curious server attacks here, timed apart), append the row to
    ``metrics.jsonl``, print progress.
 
 After every round's row is appended, the server checkpoints the run (``checkpoint.npz``,
@@ -17,8 +17,9 @@ After every round's row is appended, the server checkpoints the run (``checkpoin
 and observers, the RNG positions. A run resumed from a checkpoint continues with the next round and
 ends exactly as the uninterrupted run would.
 
-At the end it writes ``model.pt`` (when the server can read the model), ``accuracy.png``,
-``summary.json`` (``status``: ``completed``, ``interrupted`` or ``failed``, with the last completed
+The server talks to the clients through :class:`fedsim.app.rungrid.RunGrid` (the stop signal, the
+client-state mirror). At the end it writes ``model.pt`` (when the server can read the model),
+``accuracy.png``, ``summary.json`` (``status``: ``completed``, ``interrupted`` or ``failed``, with the last completed
 round) and ``report.md`` - also when the run is interrupted (SIGINT/SIGTERM, :mod:`fedsim.interrupt`)
 or fails: then the files describe the last completed round. ``metrics.csv`` mirrors ``metrics.jsonl``.
 
@@ -33,19 +34,19 @@ from __future__ import annotations
 import io
 import json
 import logging
-import math
 import shutil
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
-from flwr.app import ConfigRecord, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedsim import progress
 from fedsim.app import build_components
+from fedsim.app.evaluation import Evaluator
+from fedsim.app.rungrid import RunGrid
 from fedsim.checkpoint import (
     CHECKPOINT,
     CLIENT_STATE,
@@ -62,24 +63,13 @@ from fedsim.checkpoint import (
     write_checkpoint,
 )
 from fedsim.components import ConfigError
+from fedsim.device import resolve_device
 from fedsim.export import CsvLog
-from fedsim.factories import dataset_for, model_for
-from fedsim.inprocess import DelegatingGrid
+from fedsim.factories import model_for
 from fedsim.interrupt import RunInterrupted, StopSignal
+from fedsim.models.weights import get_weights
 from fedsim.observers import Observer
-from fedsim.protocol import (
-    CHANNEL_SETUP,
-    CONFIG,
-    EVAL_ACCURACY,
-    EVAL_DATA,
-    EVAL_EXAMPLES,
-    EVAL_LOSS,
-    EVALUATE,
-    RESUMED_AT,
-    STATE_MIRROR,
-    TRAIN,
-    train_config,
-)
+from fedsim.replies import ModelSpec
 from fedsim.reports import (
     append_jsonl,
     atomic_write_bytes,
@@ -87,82 +77,12 @@ from fedsim.reports import (
     write_json,
     write_report,
 )
-from fedsim.rounds import RoundContext, RoundEngine, RoundRecord, sample_partitions
+from fedsim.rounds import RoundEngine
 from fedsim.runfolder import read_summary
-from fedsim.seams import ModelSpec
-from fedsim.training import (
-    derive_seed,
-    evaluate,
-    get_weights,
-    resolve_device,
-    seed_everything,
-    set_weights,
-    source_accuracies,
-)
+from fedsim.seams import RoundContext, RoundRecord
+from fedsim.seeding import seed_everything
 
 log = logging.getLogger("fedsim")
-
-
-class RunGrid(DelegatingGrid):
-    """The grid the server loop talks to: the engine's grid plus what the run needs around it.
-
-    * Waiting for replies polls the stop signal (a stop requested by SIGINT/SIGTERM while clients train
-      raises :class:`~fedsim.interrupt.RunInterrupted` within one poll interval).
-    * Train and channel-setup messages name the client-state mirror folder (runs that checkpoint) and,
-      in a resumed run, the checkpointed round (:mod:`fedsim.checkpoint`).
-    """
-
-    def __init__(self, inner: Grid, stop: StopSignal, mirror: Path | None = None, resumed_at: int | None = None):
-        self.inner, self.stop = inner, stop
-        self.extra: dict[str, Any] = {}
-        if mirror is not None:
-            self.extra[STATE_MIRROR] = str(mirror)
-            if resumed_at is not None:
-                self.extra[RESUMED_AT] = int(resumed_at)
-
-    def __getattr__(self, name: str) -> Any:  # pull_interval, contexts, messages_sent, ...
-        return getattr(self.inner, name)
-
-    def get_node_ids(self) -> Iterable[int]:
-        self.stop.check()
-        return self.inner.get_node_ids()
-
-    def _augment(self, msg: Message) -> None:
-        if self.extra and msg.metadata.message_type in (TRAIN, CHANNEL_SETUP) and CONFIG in msg.content:
-            conf = msg.content[CONFIG]
-            if any(k not in conf for k in self.extra):
-                msg.content[CONFIG] = ConfigRecord({**dict(conf), **self.extra})
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        self.stop.check()
-        messages = list(messages)
-        for m in messages:
-            self._augment(m)
-        return self.inner.push_messages(messages)
-
-    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
-        """Flower's push-then-poll loop, with the stop signal checked between polls (grids that poll at a
-        ``pull_interval``: the simulation engine's; others, such as the in-process grid that answers at
-        once or a deployment's, send and receive as they do, and the stop is checked before sending)."""
-        if not hasattr(self.inner, "pull_interval"):
-            messages = list(messages)
-            self.stop.check()
-            for m in messages:
-                self._augment(m)
-            return self.inner.send_and_receive(messages, timeout=timeout)
-        ids = set(self.push_messages(messages))
-        end = time.monotonic() + (timeout if timeout is not None else 0.0)
-        interval = float(self.inner.pull_interval)
-        out: list[Message] = []
-        while timeout is None or time.monotonic() < end:
-            got = list(self.inner.pull_messages(ids))
-            out.extend(got)
-            ids.difference_update(m.metadata.reply_to_message_id for m in got)
-            if not ids:
-                break
-            self.stop.check()
-            time.sleep(interval)
-        return out
 
 
 class Server:
@@ -175,7 +95,6 @@ class Server:
         self.stop = stop if stop is not None else StopSignal()
         self.resume = resume
         seed_everything(cfg["seed"])
-        self.ds = dataset_for(cfg)
         model = model_for(cfg)  # initial weights fixed by the seed
         self.names = list(model.state_dict().keys())
         self.initial = get_weights(model)
@@ -186,7 +105,7 @@ class Server:
                                   self.observers, timeout=float(cfg["federation"].get("round_timeout", 3600.0)),
                                   fixed_partitions=fixed_partitions, model=ModelSpec.of(self.names, self.initial),
                                   privacy=parts["privacy"])
-        self.eval_model = model_for(cfg)
+        self.evaluator = Evaluator(cfg, self.engine, self.device)
         self.rows: list[dict[str, Any]] = []
         self.csv = CsvLog(out / "metrics.csv") if out is not None else None
         self.startup_seconds: float | None = None
@@ -206,52 +125,9 @@ class Server:
         self._t_start = time.perf_counter()
 
     # ---- the round-end step ----------------------------------------------------------------------------
-    def evaluate(self, grid: Grid, state: Any, record: RoundRecord) -> dict[str, Any]:
-        arrays = self.engine.channel.plaintext(state)
-        if arrays is not None:
-            set_weights(self.eval_model, arrays)
-            loss, acc = evaluate(self.eval_model, self.ds.x_test, self.ds.y_test, self.device)
-            return {"accuracy": acc, "loss": loss, "evaluated_by": "server",
-                    **self._by_source(source_accuracies(self.eval_model, self.ds, self.device))}
-        order = record.contributors or record.sampled or sorted(self.engine.partition_node)
-        res = self.engine.evaluate_remote(grid, record.round, state, record, order)
-        if res is None:
-            return {"accuracy": None, "loss": None, "evaluated_by": "nobody (every evaluator failed)"}
-        loss, acc, p, per_source = res
-        return {"accuracy": acc, "loss": loss, "evaluated_by": f"client {p}", **self._by_source(per_source)}
-
-    def _by_source(self, accuracies: Sequence[float]) -> dict[str, float]:
-        """``test.<source>_accuracy`` for a test set of several sources (synthetic-2d, ``data.styles``)."""
-        names = self.ds.source_names
-        return {f"test.{n}_accuracy": a for n, a in zip(names, accuracies)} if len(accuracies) == len(names) else {}
-
-    def client_evaluate(self, grid: Grid, state: Any, record: RoundRecord) -> dict[str, Any]:
-        """Client-side evaluation (``evaluate.client_fraction``): clients drawn from (seed, round)
-        evaluate the global model on their own data; example-weighted mean, worst and best."""
-        frac = float(self.cfg.get("evaluate", {}).get("client_fraction", 0.0) or 0.0)
-        if frac <= 0 or record.round < 1:
-            return {}
-        parts = sorted(self.engine.partition_node)
-        k = max(1, math.ceil(frac * len(parts)))
-        chosen = sample_partitions(derive_seed(self.cfg["seed"], 0xE7A1), record.round, parts, k)
-        config = train_config(self.cfg, record.round)
-        config[EVAL_DATA] = "local"
-        content = RecordDict({CONFIG: config, **self.engine.channel.outgoing(state)})
-        replies = self.engine.send(grid, chosen, EVALUATE, content, None, "client-evaluate", record.round, record,
-                                   self.engine.check_evaluation)
-        if not replies:
-            return {"client_evaluators": 0}
-        accs = [float(r.metrics[EVAL_ACCURACY]) for r in replies]
-        n = [float(r.metrics[EVAL_EXAMPLES]) for r in replies]
-        share = [w / sum(n) for w in n]  # weights summing to 1: a huge (finite) loss cannot overflow the mean
-        return {"client_accuracy": sum(a * w for a, w in zip(accs, share)),
-                "client_loss": sum(float(r.metrics[EVAL_LOSS]) * w for r, w in zip(replies, share)),
-                "client_accuracy_min": min(accs), "client_accuracy_max": max(accs),
-                "client_evaluators": len(replies)}
-
     def round_end(self, grid: Grid, state: Any, record: RoundRecord, t_start: float) -> dict[str, Any]:
-        evaluation = self.evaluate(grid, state, record)
-        evaluation.update(self.client_evaluate(grid, state, record))
+        evaluation = self.evaluator.evaluate(grid, state, record)
+        evaluation.update(self.evaluator.client_evaluate(grid, state, record))
         row = {**record.row(), **evaluation}
         row["seconds"] = time.perf_counter() - t_start
         rnd = record.round
@@ -265,7 +141,7 @@ class Server:
                 raise RuntimeError(what)
             row["round_failed"] = True  # the global model stays as it was (the channel says: continue)
             log.warning("%s; continuing with the global model unchanged", what.splitlines()[0])
-        self.say_round(row, record)  # before the observers: attacks report their own progress
+        say_round(row, record, self.cfg["federation"]["rounds"], self.rows)  # before the observers: attacks report their own progress
         t_obs = time.perf_counter()
         arrays = self.engine.channel.plaintext(state) if self.observers else None
         for obs in self.observers:  # observers that evaluate the global model add columns to the row
@@ -283,23 +159,6 @@ class Server:
                 self.csv.append(self.rows)
             self.commit(state, rnd)
         return row
-
-    def say_round(self, row: dict[str, Any], record: RoundRecord) -> None:
-        """``round   3/20  accuracy 0.6500  loss 1.4562  clients 10  1.14s  ETA 20s``."""
-        rnd, rounds = record.round, self.cfg["federation"]["rounds"]
-        acc = "-" if row["accuracy"] is None else f"{row['accuracy']:.4f}"
-        loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
-        total = record.replies + len(record.failures)
-        line = (f"round {rnd:>3}/{rounds}  accuracy {acc}  loss {loss}  "
-                f"clients {record.replies}{'/' + str(total) if record.failures else ''}  {row['seconds']:.2f}s")
-        if "client_accuracy" in row:
-            line += f"  client acc {row['client_accuracy']:.4f} (min {row['client_accuracy_min']:.4f})"
-        done = [r for r in self.rows if r["round"] >= 1]
-        if rnd >= 1 and rnd < rounds:  # rounds so far (with their observers) and this one
-            per = (sum(r["seconds"] + r.get("observer_seconds", 0.0) for r in done) + row["seconds"]) / (len(done) + 1)
-            line += f"  ETA {progress.duration(per * (rounds - rnd))}"
-        progress.say(line)
-
 
     # ---- checkpoints ------------------------------------------------------------------------------------
     def commit(self, state: Any, rnd: int) -> None:
@@ -524,6 +383,23 @@ class Server:
             write_report(self.out, self.cfg, rows, summary,
                          [self.engine.privacy.report_markdown(rows), *(obs.report_markdown() for obs in self.observers)])
         return summary
+
+
+def say_round(row: dict[str, Any], record: RoundRecord, rounds: int, rows: Sequence[dict[str, Any]]) -> None:
+    """``round   3/20  accuracy 0.6500  loss 1.4562  clients 10  1.14s  ETA 20s`` (``rows``: the rows so far)."""
+    rnd = record.round
+    acc = "-" if row["accuracy"] is None else f"{row['accuracy']:.4f}"
+    loss = "-" if row["loss"] is None else f"{row['loss']:.4f}"
+    total = record.replies + len(record.failures)
+    line = (f"round {rnd:>3}/{rounds}  accuracy {acc}  loss {loss}  "
+            f"clients {record.replies}{'/' + str(total) if record.failures else ''}  {row['seconds']:.2f}s")
+    if "client_accuracy" in row:
+        line += f"  client acc {row['client_accuracy']:.4f} (min {row['client_accuracy_min']:.4f})"
+    done = [r for r in rows if r["round"] >= 1]
+    if rnd >= 1 and rnd < rounds:  # rounds so far (with their observers) and this one
+        per = (sum(r["seconds"] + r.get("observer_seconds", 0.0) for r in done) + row["seconds"]) / (len(done) + 1)
+        line += f"  ETA {progress.duration(per * (rounds - rnd))}"
+    progress.say(line)
 
 
 def run_server(grid: Grid, cfg: dict[str, Any], out: Path | None, observers: Sequence[Observer] | None = None,

@@ -264,29 +264,45 @@ def _tv_available(name: str):
     return check
 
 
-DATASETS: dict[str, DatasetEntry] = {
-    "fmnist-small": DatasetEntry(_load_fmnist_small, "Fashion-MNIST subset embedded in fedsim "
-                                 "(2,000 train / 500 test / 200 public root, 28x28 grey, 10 classes)", _always),
-    "fmnist": DatasetEntry(_load_fmnist, "full Fashion-MNIST (60k/10k) from Debian's dataset-fashion-mnist "
-                           "or data.data_dir", _fmnist_available),
-    "mnist": DatasetEntry(_load_torchvision("mnist"), "MNIST via torchvision (data.data_dir)", _tv_available("mnist")),
-    "cifar10": DatasetEntry(_load_torchvision("cifar10"), "CIFAR-10 via torchvision (data.data_dir)",
-                            _tv_available("cifar10")),
-    "cifar100": DatasetEntry(_load_torchvision("cifar100"), "CIFAR-100 via torchvision (data.data_dir)",
-                             _tv_available("cifar100")),
-    "breast-cancer": DatasetEntry(_load_breast_cancer, "Wisconsin breast cancer, 569 x 30 tabular, 2 classes "
-                                  "(scikit-learn)", _always),
-    "faces": DatasetEntry(_load_faces, "scikit-image LFW subset: 200 25x25 grey crops, face / non-face",
-                          _always),
-    "synthetic-2d": DatasetEntry(_load_synthetic_2d, "seed 003 §4.3.1: 2-D points from Gaussians, 2 classes, "
-                                 "2 sources (one per client with data.partition = natural), 36,000 train / "
-                                 "4,000 test per source", _always, sources=len(SYNTHETIC_2D)),
-}
+def _register_builtins() -> None:
+    """The built-in datasets join the users' in :data:`fedsim.components.DATASETS` (one registry)."""
+    from fedsim.components import DATASETS
+
+    for name, entry in {
+        "fmnist-small": DatasetEntry(_load_fmnist_small, "Fashion-MNIST subset embedded in fedsim "
+                                     "(2,000 train / 500 test / 200 public root, 28x28 grey, 10 classes)", _always),
+        "fmnist": DatasetEntry(_load_fmnist, "full Fashion-MNIST (60k/10k) from Debian's dataset-fashion-mnist "
+                               "or data.data_dir", _fmnist_available),
+        "mnist": DatasetEntry(_load_torchvision("mnist"), "MNIST via torchvision (data.data_dir)", _tv_available("mnist")),
+        "cifar10": DatasetEntry(_load_torchvision("cifar10"), "CIFAR-10 via torchvision (data.data_dir)",
+                                _tv_available("cifar10")),
+        "cifar100": DatasetEntry(_load_torchvision("cifar100"), "CIFAR-100 via torchvision (data.data_dir)",
+                                 _tv_available("cifar100")),
+        "breast-cancer": DatasetEntry(_load_breast_cancer, "Wisconsin breast cancer, 569 x 30 tabular, 2 classes "
+                                      "(scikit-learn)", _always),
+        "faces": DatasetEntry(_load_faces, "scikit-image LFW subset: 200 25x25 grey crops, face / non-face",
+                              _always),
+        "synthetic-2d": DatasetEntry(_load_synthetic_2d, "seed 003 §4.3.1: 2-D points from Gaussians, 2 classes, "
+                                     "2 sources (one per client with data.partition = natural), 36,000 train / "
+                                     "4,000 test per source", _always, sources=len(SYNTHETIC_2D)),
+    }.items():
+        DATASETS.add(name, entry)
+
+
+_register_builtins()
+
+
+def builtin_datasets() -> dict[str, DatasetEntry]:
+    """The built-in datasets by name, in registration order."""
+    from fedsim.components import DATASETS
+
+    return {n: e for n, e in DATASETS.items() if isinstance(e, DatasetEntry)}
 
 
 def dataset_status(data_dir: str | None = None) -> list[tuple[str, bool, str, str]]:
     """(name, available, description, detail) for every registered dataset."""
-    return [(n, *e.available(data_dir)[:1], e.description, e.available(data_dir)[1]) for n, e in DATASETS.items()]
+    return [(n, *e.available(data_dir)[:1], e.description, e.available(data_dir)[1])
+            for n, e in builtin_datasets().items()]
 
 
 def _tensor(a: Any, what: str, dtype: torch.dtype) -> torch.Tensor:
@@ -382,7 +398,7 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False,
     """Load a dataset (cached per process: every client actor loads it once); ``styles``
     (``data.styles``): the dataset drawn in one style per source (:mod:`fedsim.data.styles`).
 
-    A built-in name (:data:`DATASETS`), or a user's dataset: registered in
+    A built-in name (:func:`builtin_datasets`), or a user's dataset: registered in
     :data:`fedsim.components.DATASETS` or an import reference (``"mypkg.data:load"``,
     ``"path/to/file.py:load"``) to a function (or class) that takes ``data_dir``, ``download``,
     ``root_size`` when it declares them and ``[data] params`` (``params``: their JSON text), and returns
@@ -393,21 +409,22 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False,
         return with_styles(load_dataset(name, data_dir, download, root_size, params), styles)
     if data_dir is not None:
         data_dir = os.path.expanduser(str(data_dir))
-    if name not in DATASETS:
+    builtin = builtin_datasets()
+    if name not in builtin:
         import json
 
         from fedsim.components import DATASETS as PLUGINS
         from fedsim.components import is_reference
 
         if name not in PLUGINS and not is_reference(name):
-            raise ValueError(f"data.dataset must be one of {sorted(set(DATASETS) | set(PLUGINS.names()))} or an "
+            raise ValueError(f"data.dataset must be one of {PLUGINS.names()} or an "
                              f"import reference ('module:attribute' or 'path/file.py:attribute'), got {name!r}")
         obj = PLUGINS.build_named(name, json.loads(params), "data.params", name_where="data.dataset",
                                   data_dir=data_dir, download=download, root_size=root_size)
         return check_finite(dataset_from(obj, name, root_size))
     if json_params_given(params):
         raise ValueError(f"data.params is for a user's own dataset; the built-in {name!r} takes none")
-    return DATASETS[name].load(data_dir, download, root_size)
+    return builtin[name].load(data_dir, download, root_size)
 
 
 def json_params_given(params: str) -> bool:

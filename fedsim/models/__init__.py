@@ -188,9 +188,52 @@ class MLP(nn.Module):
         return self.fc(self.body(x))
 
 
-MODELS = ("lenet", "lenet5", "convnet", "resnet20", "resnet32", "resnet18", "mlp")
 _components.MODELS.base = nn.Module  # a reference in model.name names an nn.Module subclass (or a function of yours)
 BUILTIN_ONLY = ("activation", "norm", "width", "hidden")  # [model] keys of the built-in models
+
+
+class BuiltinModel:
+    """A built-in model in :data:`fedsim.components.MODELS` (the one registry of models, beside the
+    users' own): configured by ``[model]`` ``activation`` / ``norm`` / ``width`` / ``hidden``, not by
+    ``params``. ``image``: it needs image inputs (C, H, W)."""
+
+    def __init__(self, build: Callable[..., nn.Module], image: bool = True):
+        self.build, self.image = build, image
+
+    def __call__(self, in_shape: Sequence[int], num_classes: int, *, width: int | None, hidden: Sequence[int] | None,
+                 **kw: Any) -> nn.Module:
+        return self.build(in_shape, num_classes, width=width, hidden=hidden, **kw)
+
+
+def _register_builtins() -> None:
+    from fedsim.components import MODELS
+
+    for name, entry in (
+        ("lenet", BuiltinModel(lambda s, c, width, hidden, **kw: LeNet(s, c, width=width or 12, **kw))),
+        ("lenet5", BuiltinModel(lambda s, c, width, hidden, **kw: LeNet5(s, c, **kw))),
+        ("convnet", BuiltinModel(lambda s, c, width, hidden, **kw: ConvNet(s, c, width=width or 16, **kw))),
+        *((n, BuiltinModel(lambda s, c, width, hidden, depth=int(n[6:]), **kw: ResNet(s, c, depth=depth, **kw)))
+          for n in ("resnet20", "resnet32", "resnet18")),
+        ("mlp", BuiltinModel(lambda s, c, width, hidden, **kw: MLP(s, c, hidden=tuple(hidden) if hidden else (64, 32),
+                                                                  **kw), image=False)),
+    ):
+        MODELS.add(name, entry)
+
+
+_register_builtins()
+
+
+def builtin_models() -> list[str]:
+    """The built-in model names, in registration order."""
+    from fedsim.components import MODELS
+
+    return [n for n, e in MODELS.items() if isinstance(e, BuiltinModel)]
+
+
+def is_builtin_model(name: Any) -> bool:
+    from fedsim.components import MODELS
+
+    return isinstance(name, str) and isinstance(MODELS.get(name), BuiltinModel)
 
 
 def build_plugin_model(name: str, in_shape: Sequence[int], num_classes: int,
@@ -199,14 +242,13 @@ def build_plugin_model(name: str, in_shape: Sequence[int], num_classes: int,
     (``"mypkg.models:SmallCNN"``, ``"path/to/file.py:build"``) to an ``nn.Module`` subclass or a
     function returning one. It receives ``in_shape`` and ``num_classes`` when it declares them, and
     ``[model] params`` (validated against its keyword parameters)."""
-    from fedsim.components import MODELS as PLUGINS
-    from fedsim.components import is_reference
+    from fedsim.components import MODELS, is_reference
 
-    if name not in PLUGINS and not is_reference(name):
-        raise ValueError(f"model.name must be one of {sorted(set(MODELS) | set(PLUGINS.names()))} or an import "
+    if name not in MODELS.names() and not is_reference(name):
+        raise ValueError(f"model.name must be one of {MODELS.names()} or an import "
                          f"reference ('module:attribute' or 'path/file.py:attribute'), got {name!r}")
-    model = PLUGINS.build_named(name, dict(params or {}), "model.params", name_where="model.name",
-                                in_shape=tuple(in_shape), num_classes=int(num_classes))
+    model = MODELS.build_named(name, dict(params or {}), "model.params", name_where="model.name",
+                               in_shape=tuple(in_shape), num_classes=int(num_classes))
     if not isinstance(model, nn.Module):
         raise ValueError(f"model.name {name!r} returned {type(model).__name__}, not a torch.nn.Module")
     return model
@@ -221,7 +263,7 @@ def build_model(name: str, in_shape: Sequence[int], num_classes: int, *, activat
     uses to make its LeNet easy to invert; ``"default"`` keeps PyTorch's. A name that is not a
     built-in model is a user's model (:func:`build_plugin_model`, parameters in ``params``).
     """
-    if name not in MODELS:
+    if not is_builtin_model(name):
         given = [k for k, v in (("activation", activation), ("norm", norm), ("width", width),
                                 ("hidden", hidden)) if v is not None]
         if given:
@@ -242,21 +284,12 @@ def build_model(name: str, in_shape: Sequence[int], num_classes: int, *, activat
         kw["activation"] = activation
     if norm is not None:
         kw["norm"] = norm
-    image = len(in_shape) == 3
-    if name in ("lenet", "lenet5", "convnet", "resnet20", "resnet32", "resnet18") and not image:
+    from fedsim.components import MODELS
+
+    entry = MODELS[name]
+    if entry.image and len(in_shape) != 3:
         raise ValueError(f"model.name {name!r} needs image data (C, H, W), got input shape {tuple(in_shape)}")
-    if name == "lenet":
-        model: nn.Module = LeNet(in_shape, num_classes, width=width or 12, **kw)
-    elif name == "lenet5":
-        model = LeNet5(in_shape, num_classes, **kw)
-    elif name == "convnet":
-        model = ConvNet(in_shape, num_classes, width=width or 16, **kw)
-    elif name in ("resnet20", "resnet32", "resnet18"):
-        model = ResNet(in_shape, num_classes, depth=int(name[6:]), **kw)
-    elif name == "mlp":
-        model = MLP(in_shape, num_classes, hidden=tuple(hidden) if hidden else (64, 32), **kw)
-    else:  # pragma: no cover - every built-in name is handled above
-        raise ValueError(f"model.name must be one of {list(MODELS)}, got {name!r}")
+    model = entry(in_shape, num_classes, width=width, hidden=hidden, **kw)
     _initialise(model, init)
     return model
 

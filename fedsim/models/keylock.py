@@ -42,7 +42,7 @@ Also here, shared by the client defense (``clients/fedkl.py``), the server's ran
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ _LOCK_SALT = 0xFED3
 
 
 def _derive(*parts: int) -> int:
-    from fedsim.training import derive_seed
+    from fedsim.seeding import derive_seed
 
     return derive_seed(*parts)
 
@@ -317,17 +317,6 @@ def init_lock(model: nn.Module, seed: int) -> None:
                     p.copy_((torch.rand(p.shape, generator=gen) * 2 - 1).mul_(bound).to(p.device))
 
 
-def set_key(model: nn.Module, key: np.ndarray | torch.Tensor) -> None:
-    """Load ``key`` into every locked block."""
-    key_t = torch.as_tensor(np.asarray(key), dtype=torch.float32).flatten()
-    for name in locked_blocks(model):
-        buf = getattr(model.get_submodule(name), KEY)
-        if buf.numel() != key_t.numel():
-            raise ValueError(f"key has length {key_t.numel()}, block {name} expects {buf.numel()}")
-        with torch.no_grad():
-            buf.copy_(key_t.to(buf.device))
-
-
 def client_key(seed: int, client: int, length: int = DEFAULT_KEY_LENGTH) -> np.ndarray:
     """Client ``client``'s key: ``length`` values from U[0, 1), a pure function of (seed, client)."""
     return np.random.default_rng(_derive(seed, _KEY_SALT, client)).random(length).astype(np.float32)
@@ -341,10 +330,3 @@ def random_key(seed: int, length: int = DEFAULT_KEY_LENGTH, salt: int = 0) -> np
 def lock_parameter_count(model: nn.Module) -> int:
     """Number of lock-layer parameters (Table 5.3's numerator)."""
     return sum(p.numel() for n, p in model.named_parameters() if is_private(n))
-
-
-def base_entries(locked: nn.Module, base_names: Sequence[str]) -> list[str]:
-    """The base model's state-dict names the locked model still has (all but the locked blocks'
-    affine ``weight``/``bias``), in base order."""
-    sd = locked.state_dict()
-    return [n for n in base_names if n in sd]

@@ -1,0 +1,114 @@
+"""Components built from a config, through their registries (:mod:`fedsim.components`, one mechanism):
+the aggregation rule, the channel, the server transforms, the clients' defense pipeline, the Flower
+mods, the observers (the curious server last) and the privacy ledger. :func:`fedsim.config.validate`
+builds them once to check a config; every problem is a :class:`ConfigError` naming the key."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from fedsim.components import (
+    CHANNELS,
+    DEFENSES,
+    FLOWER_MODS,
+    OBSERVERS,
+    STRATEGIES,
+    TRANSFORMS,
+    ConfigError,
+)
+
+CURIOUS_SERVER = "curious-server"  # the observer the [attack] section configures
+
+# keys that moved to another section: the error says where
+MOVED = {
+    "compensation": 'seed 000\'s compensation is a server transform now: [[transforms]] name = "mp-compensation"',
+    "compensation_feedback": 'use [[transforms]] name = "mp-compensation" with feedback = true',
+    "compensation_mode": 'use [[transforms]] name = "mp-compensation" with mode = ...',
+    "Q": 'use [[transforms]] name = "mp-compensation" with Q = ...',
+}
+
+
+def client_pipeline(cfg: Mapping[str, Any], transforms: Sequence[Any] | None = None) -> Any:
+    """The clients' defense pipeline: what the server transforms require of every client, then
+    ``[[defenses]]`` in order."""
+    from fedsim.defense import DefensePipeline
+
+    if transforms is None:
+        transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
+    required = [e for t in transforms for e in t.client_defenses()]
+    try:
+        return DefensePipeline(DEFENSES.build_list(required, "defenses required by the transforms", cfg=cfg)
+                               + DEFENSES.build_list(cfg.get("defenses", []), "defenses", cfg=cfg))
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate every component section through its registry and build the components (one mechanism).
+
+    Returns ``rule``, ``channel``, ``transforms``, ``defenses``, ``flower_mods``, ``observers`` (the
+    curious server last, when ``[attack]`` is set) and ``privacy`` (the :class:`fedsim.privacy.PrivacyLedger`
+    of the mechanisms the rule, the defenses and the mods declare). Raises :class:`ConfigError` naming the key.
+    """
+    from fedsim.seams import check_compatible
+
+    strategy = dict(cfg["strategy"])
+    for k in strategy:
+        if k in MOVED:
+            raise ConfigError(f"strategy.{k} moved: {MOVED[k]}")
+    rule = STRATEGIES.build(strategy, "strategy")
+    channel = CHANNELS.build(dict(cfg.get("channel") or {"name": "plain"}), "channel")
+    transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
+    check_compatible(type(channel), rule,
+                     [(f"transforms[{i}]", type(t)) for i, t in enumerate(transforms)])
+    from fedsim.seams import INDIVIDUAL, capabilities
+
+    if cfg["federation"].get("max_update_norm") is not None and INDIVIDUAL not in capabilities(type(channel).provides):
+        raise ConfigError(f"federation.max_update_norm needs each client's model in plaintext, which channel "
+                          f"{channel.name!r} does not give the server (its own bounds apply: docs/failures.md)")
+    for where, component in [("strategy", rule), ("channel", channel),
+                             *((f"transforms[{i}]", t) for i, t in enumerate(transforms))]:
+        try:
+            component.validate_config(cfg)  # checks that need the rest of the config
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"{where} ({component.name}): {exc}") from exc
+    defenses = client_pipeline(cfg, transforms)
+    for i, d in enumerate(defenses.defenses):
+        try:
+            d.validate_config(cfg)
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(f"defenses[{i}] ({d.name}): {exc}") from exc
+    mods = FLOWER_MODS.build_list(cfg["client"]["flower_mods"], "client.flower_mods")
+    for i, mod in enumerate(mods):  # a mod may check the rest of the config (e.g. the strategy it belongs to)
+        check = getattr(mod, "validate_config", None)
+        if callable(check):
+            try:
+                check(cfg)
+            except ConfigError:
+                raise
+            except ValueError as exc:
+                entry = cfg["client"]["flower_mods"][i]
+                raise ConfigError(f"client.flower_mods[{i}] ({entry.get('name') if isinstance(entry, Mapping) else entry}): "
+                                  f"{exc}") from exc
+    from fedsim.privacy import build_ledger
+
+    try:
+        privacy = build_ledger(rule, defenses, mods, cfg)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"privacy accounting: {exc}") from exc
+    observers = OBSERVERS.build_list(cfg["output"]["observers"], "output.observers", cfg=cfg)
+    implied = [e for d in defenses.defenses for e in d.server_observers()]
+    observers += OBSERVERS.build_list(implied, "observers implied by the defenses", cfg=cfg)
+    if cfg.get("attack"):  # [attack] configures the curious server (validated even when enabled = false)
+        curious = OBSERVERS.build_named(CURIOUS_SERVER, cfg["attack"], "attack", cfg=cfg)
+        if cfg["attack"].get("enabled", True) is not False:
+            observers.append(curious)
+    return {"rule": rule, "channel": channel, "transforms": transforms, "defenses": defenses,
+            "flower_mods": mods, "observers": observers, "privacy": privacy}
