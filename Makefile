@@ -40,7 +40,7 @@ test-all: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --slow
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check fedsim strategies clients attacks experiments tests benchmarks scripts
+	$(VENV)/bin/ruff check fedsim strategies channels clients attacks experiments tests benchmarks scripts
 
 bench: $(STAMP)
 	$(PY) benchmarks/sim_overhead.py

@@ -8,7 +8,7 @@ model (``--what model``: a common N(0, 0.1) global model plus a per-client N(0, 
 ``--clip`` 4.0, the channel's ``encrypt = "model"``), for ``--clients`` clients, quantized to
 ``--bits`` bits, eq. 4.4 integer weights ``round(p_i * P)`` with ``P = --precision``; ``--key-bits``
 Paillier keys. The defaults of ``--key-bits``, ``--bits`` and ``--precision`` are read from the
-channel's own defaults (``strategies.paillier``: 2048 bits; 12-bit updates, 16-bit models; P = 4096), and
+channel's own defaults (``channels.paillier``: 2048 bits; 12-bit updates, 16-bit models; P = 4096), and
 the packing layout's ``max_total_weight`` is the channel's ``precision + clients``, so the run measures
 the layout a user of ``[channel] name = "paillier"`` gets (80 values per plaintext for updates at 10
 clients, 69 for models). Measured side by side in one run:
@@ -37,9 +37,9 @@ import time
 import gmpy2
 import numpy as np
 
+from channels.paillier import BITS, PaillierChannel
 from fedsim.crypto import paillier as pl
 from fedsim.crypto.quantize import Quantizer, aggregate_error_bound, integer_weights, range_exponent
-from strategies.paillier import BITS, PaillierChannel
 
 CHANNEL_DEFAULTS = {k: v.default for k, v in inspect.signature(PaillierChannel.__init__).parameters.items()
                     if v.default is not inspect.Parameter.empty}
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--key-bits", type=int, default=d["key_bits"])
     ap.add_argument("--clients", type=int, default=10)
     ap.add_argument("--bits", type=int, default=None,
-                    help="default: the channel's (12 bits for updates, 16 for whole models: strategies.paillier.BITS)")
+                    help="default: the channel's (12 bits for updates, 16 for whole models: channels.paillier.BITS)")
     ap.add_argument("--clip", type=float, default=d["clip"],
                     help="default: the channel's automatic clip for updates (the power of two above the largest "
                          "update entry), 4.0 for models")

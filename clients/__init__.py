@@ -4,4 +4,4 @@ Importing this package registers every built-in defense in :data:`fedsim.compone
 every Flower mod in :data:`fedsim.components.FLOWER_MODS`. The defense interface itself
 (:class:`fedsim.defense.Defense`) belongs to the core.
 """
-from clients import ckks, clipping, fedkl, flower_mods, lossless, noise, paillier, pruning, secagg, slicing  # noqa: F401
+from clients import clipping, fedkl, flower_mods, lossless, noise, pruning, slicing  # noqa: F401

@@ -51,7 +51,7 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
     curious server last, when ``[attack]`` is set) and ``privacy`` (the :class:`fedsim.privacy.PrivacyLedger`
     of the mechanisms the rule, the defenses and the mods declare). Raises :class:`ConfigError` naming the key.
     """
-    from fedsim.seams import check_compatible
+    from fedsim.seams import ClientChannel, check_compatible
 
     strategy = dict(cfg["strategy"])
     for k in strategy:
@@ -62,6 +62,10 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
     transforms = TRANSFORMS.build_list(cfg.get("transforms", []), "transforms")
     check_compatible(type(channel), rule,
                      [(f"transforms[{i}]", type(t)) for i, t in enumerate(transforms)])
+    half = getattr(type(channel), "client", None)
+    if not (isinstance(half, type) and issubclass(half, ClientChannel)):  # the ClientApp builds it by the same name
+        raise ConfigError(f"channel.name: {type(channel).__name__} names no client half (give the class "
+                          f"client = a fedsim.seams.ClientChannel subclass)")
     from fedsim.seams import INDIVIDUAL, capabilities
 
     if cfg["federation"].get("max_update_norm") is not None and INDIVIDUAL not in capabilities(type(channel).provides):

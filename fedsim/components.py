@@ -462,8 +462,7 @@ class Registry:
 
 # ---- the registries (the seams plugins plug into) ----------------------------------------------------
 STRATEGIES = Registry("strategy")  # aggregation rules (strategies/)
-CHANNELS = Registry("channel")  # server halves of channels (strategies/)
-CLIENT_CHANNELS = Registry("client channel", hidden=("cfg",))  # client halves of channels (clients/)
+CHANNELS = Registry("channel")  # channels (channels/): each server half names its client half
 TRANSFORMS = Registry("server transform")  # server transforms (strategies/)
 DEFENSES = Registry("defense", hidden=("cfg",))  # client defenses (clients/); given the run config if they declare cfg
 FLOWER_MODS = Registry("Flower mod")  # Flower client mods (clients/)

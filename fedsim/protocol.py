@@ -75,7 +75,7 @@ CLIENT_ID_KEYS = (PARTITION_ID, NUM_EXAMPLES)  # per-client bookkeeping, meaning
 ERROR = "error"
 ERROR_REASON = "reason"
 
-# ---- CHANNEL record keys (encrypted channels; see strategies/paillier.py and clients/paillier.py)
+# ---- CHANNEL record keys (encrypted channels; see channels/paillier/ and channels/ckks.py)
 PAYLOAD = "payload"  # ciphertexts: a client's encrypted model, or the encrypted global model
 CODEC = "codec"  # the channel's encoding settings (JSON), declared once on the server half
 RUN_TAG = "run-tag"  # binds sealed keys to this run

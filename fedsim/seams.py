@@ -27,7 +27,7 @@ import numpy as np
 from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
-from fedsim.components import CHANNELS, CLIENT_CHANNELS, STRATEGIES, TRANSFORMS, ConfigError
+from fedsim.components import CHANNELS, STRATEGIES, TRANSFORMS, ConfigError
 from fedsim.protocol import ARRAYS, CLIENT_ID_KEYS, TRAIN, arrays_record, decode_arrays
 from fedsim.replies import Arrays, ChannelError, ModelSpec, Reply, ReplyCheck, ReplyChecker
 
@@ -236,10 +236,13 @@ class ServerTransform:
 # ============================================================================= channels
 class ServerChannel:
     """The server half of a channel. The global *state* is whatever the channel holds between rounds:
-    plaintext arrays for the plain channel, a ciphertext for an encrypted one."""
+    plaintext arrays for the plain channel, a ciphertext for an encrypted one. A channel is one plugin:
+    its server half names its client half (``client``), which the ClientApp builds from the same
+    ``channel.name`` (a registered name or an import reference to this class)."""
 
     name: ClassVar[str] = ""
     provides: ClassVar[frozenset[str]] = frozenset()
+    client: ClassVar[type[ClientChannel]]  # the client half (runs inside the ClientApp)
     #: what the server does after a round in which no client's model reached the aggregate (every
     #: sampled client failed, or a secure-aggregation protocol halted): ``"stop"`` the run with an
     #: error, or ``"continue"`` with the global model unchanged (the round is recorded as failed)
@@ -390,7 +393,6 @@ class PlainChannel(ServerChannel):
         return {"kind": "individual", "weights": lambda: reply.arrays}
 
 
-@CLIENT_CHANNELS.register
 class PlainClientChannel(ClientChannel):
     name = "plain"
 
@@ -401,9 +403,11 @@ class PlainClientChannel(ClientChannel):
         return {ARRAYS: arrays_record(param_names, arrays)}
 
 
+PlainChannel.client = PlainClientChannel  # defined after it: the server half names its client half
+
+
 # import references in [strategy], [channel], [[transforms]] must name these base classes
 STRATEGIES.base, CHANNELS.base, TRANSFORMS.base = AggregationRule, ServerChannel, ServerTransform
-CLIENT_CHANNELS.base = ClientChannel
 
 
 # ============================================================================= compatibility

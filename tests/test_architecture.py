@@ -1,8 +1,9 @@
 """The layers of the tree (docs/architecture.md) and the message protocol.
 
 * the core (``fedsim`` without ``fedsim.app``) imports no plugin and not the composition root;
-* plugins (``strategies``, ``clients``, ``attacks``) import only the core; ``strategies`` and
-  ``attacks`` never import each other, ``clients`` neither;
+* plugins (``strategies``, ``channels``, ``clients``, ``attacks``) import only the core: no plugin
+  package imports another (a channel holds both its halves, so neither ``strategies`` nor ``clients``
+  needs it);
 * the composition root (``fedsim.app``, ``fedsim.__main__``) may import anything but ``experiments``;
 * ``experiments`` (experiment scripts on top of the root) imports only the root and the core (plugins
   come in through ``fedsim.app``), and nothing in the tree imports it.
@@ -19,8 +20,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("fedsim", "strategies", "clients", "attacks", "experiments")
-PLUGINS = ("strategies", "clients", "attacks")
+PACKAGES = ("fedsim", "strategies", "channels", "clients", "attacks", "experiments")
+PLUGINS = ("strategies", "channels", "clients", "attacks")
 
 
 def module_name(path: Path) -> str:
@@ -123,6 +124,11 @@ def test_every_package_of_the_tree_has_a_layer():
     ("fedsim/tables.py", "def f():\n    import experiments.fedboosting_boundaries\n"),  # core -> experiments
     ("strategies/fedboosting.py", "from experiments.fedboosting_table import main\n"),  # plugin -> experiments
     ("experiments/fedboosting_table.py", "def f():\n    from strategies.fedboosting import FedBoosting\n"),
+    ("fedsim/seams.py", "import channels.paillier\n"),  # core -> channel
+    ("strategies/fedavg.py", "from channels.paillier import PaillierChannel\n"),  # plugin -> another plugin
+    ("clients/noise.py", "def f():\n    from channels.secagg.client import SecAggPlusClientChannel\n"),
+    ("channels/ckks.py", "from clients.noise import GaussianNoise\n"),
+    ("channels/paillier/server.py", "from fedsim.app.client import channel_for\n"),  # channel -> root
 ])
 def test_the_checker_catches_each_kind_of_violation(path, source):
     assert violations({path: source}), f"not caught: {path}: {source!r}"
@@ -132,6 +138,8 @@ def test_the_checker_catches_each_kind_of_violation(path, source):
     ("fedsim/app/runner.py", "import strategies\nfrom attacks import curious\n"),
     ("strategies/fedavg.py", "from fedsim.seams import WeightedSumRule\nfrom . import compensation\n"),
     ("attacks/__init__.py", "from . import dlg\n"),
+    ("fedsim/app/__init__.py", "import channels\n"),  # the composition root wires the channels
+    ("channels/paillier/server.py", "from fedsim.seams import ServerChannel\nfrom .client import PaillierClientChannel\n"),
     ("experiments/fedboosting_table.py", "from fedsim.app.sweep import run_sweep\nfrom fedsim.reports import md_table\n"
                                          "from . import fedboosting_boundaries\n"),
 ])
@@ -140,8 +148,20 @@ def test_the_checker_allows_what_the_layers_allow(path, source):
 
 
 
+def test_the_composition_root_loads_every_plugin_package():
+    """``fedsim.app.load_plugins`` imports each plugin package (a package it forgot registers nothing: its
+    names would be unknown to every config), and nothing else in the tree imports ``channels``."""
+    tree = ast.parse((ROOT / "fedsim/app/__init__.py").read_text())
+    [load] = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "load_plugins"]
+    assert set(PLUGINS) <= {t for _, t in imports_of(ast.unparse(load), "fedsim.app", True)}
+    importers = {rel for rel, src in package_files().items()
+                 for _, t in imports_of(src, module_name(ROOT / rel), rel.endswith("__init__.py"))
+                 if t.split(".")[0] == "channels" and not rel.startswith("channels/")}
+    assert importers == {"fedsim/app/__init__.py"}
+
+
 # ------------------------------------------------------------------------------ import cycles
-CYCLE_PACKAGES = ("fedsim", "strategies", "clients", "attacks")
+CYCLE_PACKAGES = ("fedsim", "strategies", "channels", "clients", "attacks")
 
 
 def import_cycles(files: dict[str, str]) -> list[list[str]]:

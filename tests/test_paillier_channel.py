@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from flwr.app import Context, RecordDict
 
-from clients.paillier import PaillierClientChannel
+from channels.paillier import PaillierClientChannel
 from fedsim.app.client import client_app
 from fedsim.app.runner import run_experiment
 from fedsim.app.server import Server
@@ -192,7 +192,7 @@ def test_integer_weights_are_reduced_by_their_common_divisor_exactly():
     the combination applies without an exponentiation); the combination decodes to the same mean, bit for
     bit, and its ciphertexts decrypt with plain ``phe`` to the reduced weights' sums of the clients'
     plaintexts. Weights that do not fit ``precision`` even reduced are rounded (eq. 4.4), as before."""
-    from strategies.paillier import PaillierChannel
+    from channels.paillier import PaillierChannel
 
     ch = PaillierChannel(key_bits=512, precision=4096)
     assert ch.integer_weights([200.0] * 10) == [1] * 10
@@ -215,7 +215,7 @@ def test_integer_weights_are_reduced_by_their_common_divisor_exactly():
 def test_a_process_decrypts_an_aggregate_once_for_all_its_clients():
     """The per-process decryption cache: the second client of a process gets the same integers (read-only)
     without decrypting; other settings or another payload decrypt again."""
-    import clients.paillier as cp
+    import channels.paillier.client as cp
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -384,9 +384,9 @@ def test_a_complete_run_is_not_run_again_and_another_config_is_refused(tmp_path,
 
 
 def test_what_cannot_be_checkpointed_is_named():
+    from channels.paillier import PaillierChannel
     from fedsim.seams import WEIGHTED_SUM, PlainChannel, ServerChannel
     from strategies.fedavg import FedAvg
-    from strategies.paillier import PaillierChannel
 
     class Opaque(ServerChannel):  # keeps the model from the server and cannot save it
         name = "opaque"
@@ -686,7 +686,7 @@ def test_any_local_steps_is_drawn_lazily(monkeypatch):
                              "attack.max_truth=40"])
     server = CuriousServer.from_config(cfg)
     upd = ClientUpdate(round=1, client_id=0, node_id=1, num_examples=1, recipe=dict(huge.to_mapping()))
-    import attacks.curious as curious
+    import attacks.leakage_scoring as scoring
 
     drawn = []
 
@@ -696,7 +696,7 @@ def test_any_local_steps_is_drawn_lazily(monkeypatch):
             assert len(drawn) < 100, "the scorer keeps drawing batches"  # fails instead of running for ever
             yield b
 
-    monkeypatch.setattr(curious, "iter_batches", counted)
+    monkeypatch.setattr(scoring, "iter_batches", counted)
     x, y = server.ground_truth(upd)
     assert len(x) == 40 and drawn == [16, 16, 16]  # three batches hold 40 distinct samples: it stopped there
 

@@ -10,7 +10,7 @@ from flwr.app import ArrayRecord, MessageType
 
 from fedsim.app.runner import run_experiment
 from fedsim.compensation import compensate_with_info
-from fedsim.components import CHANNELS, CLIENT_CHANNELS, DEFENSES, STRATEGIES, TRANSFORMS
+from fedsim.components import CHANNELS, DEFENSES, STRATEGIES, TRANSFORMS
 from fedsim.config import ConfigError
 from fedsim.defense import Defense
 from fedsim.inprocess import InProcessGrid
@@ -41,20 +41,6 @@ class UniformMean(AggregationRule):
                 for j in range(len(replies[0].arrays))]
 
 
-class ScaledChannel(PlainChannel):
-    """Test-only channel: the client sends 2x its model, the server halves the combination."""
-
-    name = "test-scaled"
-    combined: list[dict] = []  # spy: what each weighted_mean call got (the replies as they arrived)
-
-    def weighted_mean(self, replies, weights):
-        ScaledChannel.combined.append({r.partition: [np.array(a) for a in r.arrays] for r in replies})
-        return [a / 2 for a in super().weighted_mean(replies, weights)]
-
-    def client_view(self, reply):
-        return {"kind": "individual", "weights": lambda: [a / 2 for a in reply.arrays]}
-
-
 class ScaledClientChannel(ClientChannel):
     name = "test-scaled"
 
@@ -65,10 +51,26 @@ class ScaledClientChannel(ClientChannel):
         return {ARRAYS: arrays_record(param_names, [a * 2 for a in arrays])}
 
 
+class ScaledChannel(PlainChannel):
+    """Test-only channel: the client sends 2x its model, the server halves the combination."""
+
+    name = "test-scaled"
+    client = ScaledClientChannel
+    combined: list[dict] = []  # spy: what each weighted_mean call got (the replies as they arrived)
+
+    def weighted_mean(self, replies, weights):
+        ScaledChannel.combined.append({r.partition: [np.array(a) for a in r.arrays] for r in replies})
+        return [a / 2 for a in super().weighted_mean(replies, weights)]
+
+    def client_view(self, reply):
+        return {"kind": "individual", "weights": lambda: [a / 2 for a in reply.arrays]}
+
+
 class SumsOnlyChannel(ServerChannel):
     """Test-only: a channel that gives the server weighted sums but no plaintext (never run)."""
 
     name = "test-sums-only"
+    client = ClientChannel
     provides = frozenset({WEIGHTED_SUM})
 
 
@@ -76,7 +78,6 @@ class SumsOnlyChannel(ServerChannel):
 def test_components(monkeypatch):
     monkeypatch.setitem(STRATEGIES, UniformMean.name, UniformMean)
     monkeypatch.setitem(CHANNELS, ScaledChannel.name, ScaledChannel)
-    monkeypatch.setitem(CLIENT_CHANNELS, ScaledClientChannel.name, ScaledClientChannel)
     monkeypatch.setitem(CHANNELS, SumsOnlyChannel.name, SumsOnlyChannel)
 
 
@@ -234,3 +235,68 @@ def test_client_private_entries_stay_in_flowers_context_and_never_leave(small_cf
     for ctx in grid.contexts.values():
         state = ctx.state[STATE_DEFENSES]
         assert isinstance(state, ArrayRecord) and state["0.count"].numpy().tolist() == [3.0]
+
+
+NEGATED_CHANNEL = '''
+"""A user's channel in a file: models travel negated both ways (exact in floating point)."""
+from fedsim.protocol import ARRAYS, arrays_record, decode_arrays
+from fedsim.seams import ClientChannel, PlainChannel
+
+
+class NegatedClient(ClientChannel):
+    name = "negated"
+    decoded = []  # spy: one entry per model this client half decoded, per reply it encoded
+    encoded = []
+
+    def decode(self, content, context, template):
+        NegatedClient.decoded.append(1)
+        return [-a for a in decode_arrays(content[ARRAYS])]
+
+    def encode(self, arrays, param_names, context):
+        NegatedClient.encoded.append(1)
+        return {ARRAYS: arrays_record(param_names, [-a for a in arrays])}
+
+
+class NegatedChannel(PlainChannel):
+    name = "negated"
+    client = NegatedClient
+
+    def outgoing(self, state):
+        return {ARRAYS: arrays_record(self.names, [-a for a in state])}
+
+    def check_reply(self, reply, model):
+        super().check_reply(reply, model)
+        reply.arrays = [-a for a in reply.arrays]
+
+
+class NoClientHalf(PlainChannel):
+    name = "no-client-half"
+    client = None
+'''
+
+
+def test_a_channel_given_by_import_reference_runs_both_halves(small_cfg, tmp_path):
+    """A channel in the user's own file, named only by import reference (registered nowhere): the server
+    builds its half from ``channel.name``, every client builds the client half that server half names (the
+    models cross the wire negated; a client using the plain half instead would train on the negated model),
+    and the run equals the plain channel's bit for bit. A channel that names no client half is refused at
+    config load, naming the key."""
+    from fedsim.components import ConfigError, resolve_reference
+
+    plugin = tmp_path / "negated_channel.py"
+    plugin.write_text(NEGATED_CHANNEL)
+    ref = f"{plugin}:NegatedChannel"
+    plain = run_experiment(small_cfg("federation.rounds=1"), out=tmp_path / "plain", progress=False)
+    negated = run_experiment(small_cfg("federation.rounds=1", f'channel.name="{ref}"'), out=tmp_path / "negated",
+                             progress=False)
+    a, b = torch.load(plain / "model.pt"), torch.load(negated / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["accuracy"] for r in read_jsonl(plain / "metrics.jsonl")] == \
+        [r["accuracy"] for r in read_jsonl(negated / "metrics.jsonl")]
+    client = resolve_reference(f"{plugin}:NegatedClient", "test")
+    assert resolve_reference(ref, "test").client is client
+    sampled = small_cfg("federation.rounds=1")["federation"]
+    n = sampled["clients_per_round"] or sampled["num_clients"]
+    assert len(client.encoded) == n and len(client.decoded) >= n  # every sampled client used this half
+    with pytest.raises(ConfigError, match=r"channel.name: NoClientHalf names no client half"):
+        small_cfg(f'channel.name="{plugin}:NoClientHalf"')

@@ -21,7 +21,7 @@ import torch
 from flwr.app import ArrayRecord
 from flwr.server.workflow import SecAggPlusWorkflow
 
-import strategies.secagg as secagg_mod
+import channels.secagg.server as secagg_mod
 from fedsim.app.client import client_app
 from fedsim.app.runner import run_experiment
 from fedsim.app.server import Server
@@ -236,7 +236,7 @@ def test_the_curious_server_attacks_the_aggregate_as_one_batch(small_cfg):
     curious = server.observers[-1]
     [row] = curious.rows
     assert (row["client"], row["aggregate_of"], row["contributors"], row["batch_size"]) == (-1, 3, [0, 1, 2], 3)
-    truth, _ = curious._images["ig-r1-agg3"]
+    truth, _ = curious.images["ig-r1-agg3"]
     union = []
     for c in range(3):
         x, _ = client_data(cfg, c)

@@ -5,9 +5,9 @@ Layers (``tests/test_architecture.py`` checks every import, function-level ones 
 * the core (``fedsim`` minus this package): config schema, data, models, local training, metrics,
   the message protocol, the seams and registries, the round engine, observers, reports. It imports
   no plugin.
-* plugins: ``strategies`` (aggregation rules, server channel halves, server transforms), ``clients``
-  (defenses, Flower mods, client channel halves), ``attacks`` (attacks and the curious server). Each
-  imports only the core; ``strategies`` and ``attacks`` never import each other.
+* plugins: ``strategies`` (aggregation rules, server transforms), ``channels`` (each channel's server
+  and client halves), ``clients`` (defenses, Flower mods), ``attacks`` (attacks and the curious server).
+  Each imports only the core; plugin packages never import each other.
 * this package: the runner, the CLI, the Flower ServerApp/ClientApp, sweeps and the one-shot attack
   command. Importing it registers the built-in plugins (:func:`load_plugins`).
 """
@@ -30,6 +30,7 @@ def load_plugins() -> None:
     if _LOADED:
         return
     import attacks  # noqa: F401
+    import channels  # noqa: F401
     import clients  # noqa: F401
     import fedsim.export  # noqa: F401  (the tensorboard observer)
     import strategies  # noqa: F401

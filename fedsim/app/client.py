@@ -39,7 +39,7 @@ from flwr.clientapp import ClientApp
 from fedsim.app import load_plugins
 from fedsim.build import client_pipeline
 from fedsim.checkpoint import restore_client_state, save_client_state
-from fedsim.components import CLIENT_CHANNELS, FLOWER_MODS
+from fedsim.components import CHANNELS, FLOWER_MODS
 from fedsim.device import resolve_device
 from fedsim.factories import client_data, client_validation_data, dataset_for, model_for
 from fedsim.models.weights import set_weights
@@ -101,9 +101,10 @@ def config_of(msg: Message) -> dict[str, Any]:
 
 
 def channel_for(cfg: dict[str, Any]) -> ClientChannel:
-    """The client half of the configured channel."""
+    """The client half of the configured channel: the one its server half names (``ServerChannel.client``),
+    the channel given by registered name or by import reference."""
     name = (cfg.get("channel") or {}).get("name", "plain")
-    return CLIENT_CHANNELS.lookup(name, "channel.name")(cfg)
+    return CHANNELS.lookup(name, "channel.name").client(cfg)
 
 
 def wrap(handler: Handler, mods: Sequence[Callable]) -> Handler:

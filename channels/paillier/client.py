@@ -1,4 +1,4 @@
-"""The Paillier channel, client half (see strategies/paillier.py for the protocol).
+"""The Paillier channel's client half (see channels/paillier/server.py for the protocol).
 
 Every client keeps its X25519 private key and, once delivered, the Paillier private key in Flower's
 ``Context.state`` (record ``fedsim.protocol.STATE_CHANNEL``, ``fedsim.keydelivery``); neither is ever put
@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
-from fedsim.components import CLIENT_CHANNELS
 from fedsim.crypto.paillier import (
     ObfuscatorPool,
     PaillierCodec,
@@ -145,7 +144,6 @@ def _floating(template: Mapping[str, np.ndarray]) -> list[str]:
     return [k for k, v in template.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
 
 
-@CLIENT_CHANNELS.register
 class PaillierClientChannel(SealedKeyClient, ClientChannel):
     name = "paillier"
     secret_field, public_field = _PAILLIER, _PUBLIC

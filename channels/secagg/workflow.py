@@ -1,6 +1,6 @@
 """Flower's SecAgg+ workflow on one round of the engine: the machinery of the ``secagg+`` channel's server half.
 
-``strategies/secagg.py`` (the channel) runs one round as follows, with the pieces of this module:
+``channels/secagg/server.py`` (the channel) runs one round as follows, with the pieces of this module:
 
 * :class:`RoundStrategy` - the legacy ``Strategy`` the workflow talks to: it targets exactly the engine's
   sampled partitions and captures the unmasked aggregate, the contributors, their counts and metrics;
@@ -145,7 +145,7 @@ class Workflow(SecAggPlusWorkflow):
 
 
 class ProtocolGrid(DelegatingGrid):
-    """The round's grid as the SecAgg+ workflow sees it (see ``strategies/secagg.py``'s docstring)."""
+    """The round's grid as the SecAgg+ workflow sees it (see ``channels/secagg/server.py``'s docstring)."""
 
     def __init__(self, ctx: RoundContext, node_partition: Mapping[int, int], content: RecordDict,
                  dropped: Mapping[int, str], *, codec: str, max_weight: float, modulus_range: int):

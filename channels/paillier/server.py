@@ -1,4 +1,4 @@
-"""The Paillier channel, server half (seed 003 §4.2.2, Alg. 2-3, eq. 4.4): ``[channel] name = "paillier"``.
+"""The Paillier channel's server half (seed 003 §4.2.2, Alg. 2-3, eq. 4.4): ``[channel] name = "paillier"``.
 
 Clients quantize what they send, pack many values per Paillier plaintext and encrypt (``fedsim.crypto``);
 the server checks each payload against the channel's settings with the public key alone
@@ -70,31 +70,18 @@ from fedsim.protocol import (
 from fedsim.replies import ChannelError, InvalidReply, ModelSpec, Reply
 from fedsim.seams import WEIGHTED_SUM, RoundContext, ServerChannel
 
+from .client import PaillierClientChannel
+from .model import EncryptedModel, EncryptedModelCheckpoints
+
 log = logging.getLogger("fedsim")
 ENCRYPT = ("update", "model")
 BITS = {"update": 12, "model": 16}  # channel.bits when unset (docs/paillier.md: "Quantization and its error bound")
 
-_STATE_MAGIC = b"FSPS1"
 _READ = "paillier.read"  # Reply.extra: the payload's header and ciphertexts, as check_reply read them
 
 
-class EncryptedModel:
-    """The global model as the server holds it after round 1 (a mixture of FedBoosting's too).
-
-    ``kind = "model"``: ``head`` encrypts the model itself. ``kind = "update"``: the model is the initial
-    model plus the aggregate updates ``chain`` (``(round, payload)`` of rounds ``1..round-1``) plus ``head``,
-    the combination made in ``round``."""
-
-    def __init__(self, kind: str, head: bytes, round: int, chain: tuple[tuple[int, bytes], ...] = ()):
-        self.kind, self.head, self.round, self.chain = kind, head, int(round), tuple(chain)
-
-    @property
-    def payload(self) -> bytes:  # the payload made this round (tests, observers)
-        return self.head
-
-
 @CHANNELS.register
-class PaillierChannel(SealedKeyServer, ServerChannel):
+class PaillierChannel(EncryptedModelCheckpoints, SealedKeyServer, ServerChannel):
     """Paillier-encrypted weighted sums (parameters: ``key_bits``, ``encrypt`` = update | model, ``bits`` and
     ``clip`` of the quantizer (``bits`` unset: 12 for updates, 16 for models; ``clip`` unset: the updates'
     range every round, or 4.0 for models), ``overflow`` = clip | raise, ``precision`` = P of the integer
@@ -102,6 +89,7 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
     clients, :meth:`after_round`); see docs/paillier.md for the error bound and the overflow rule)."""
 
     name = "paillier"
+    client = PaillierClientChannel
     provides = frozenset({WEIGHTED_SUM})
     key_name = "the Paillier key pair"
 
@@ -378,41 +366,3 @@ class PaillierChannel(SealedKeyServer, ServerChannel):
 
     def metrics(self) -> dict[str, float]:
         return dict(self._metrics)
-
-    # ---- checkpoints ------------------------------------------------------------------------------------------
-    def state(self) -> dict[str, Any]:
-        """The key delivery's outcome (run tag, public key) and who holds which global model; the global
-        state itself goes through :meth:`checkpoint_arrays`. No secret: the clients' keys are in their own
-        state (the client-state mirror)."""
-        return {"run_tag": getattr(self, "run_tag", ""),
-                "public_key": np.frombuffer(getattr(self, "public_bytes", None) or b"", dtype=np.uint8),
-                "x0": list(self.x0 or []), "holder": {str(k): int(v) for k, v in self.holder.items()}}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        if len(state.get("public_key", ())) == 0:
-            raise ValueError("the checkpoint holds no Paillier public key (the key delivery never finished)")
-        self.run_tag = str(state["run_tag"])
-        public = state["public_key"]
-        self.public_bytes = bytes(public) if isinstance(public, (bytes, bytearray)) else np.asarray(public, np.uint8).tobytes()
-        self.accept_public_key(self.public_bytes)
-        self.x0 = [np.asarray(a) for a in state["x0"]]
-        self.holder = {int(k): int(v) for k, v in state["holder"].items()}
-
-    def checkpoint_arrays(self, state: Any) -> list[np.ndarray]:
-        if not isinstance(state, EncryptedModel):
-            return list(state)
-        parts = [state.kind.encode(), str(state.round).encode(), state.head,
-                 *[b for r, p in state.chain for b in (str(r).encode(), p)]]
-        blob = _STATE_MAGIC + b"".join(len(x).to_bytes(8, "big") + x for x in parts)
-        return [np.frombuffer(blob, dtype=np.uint8).copy()]
-
-    def from_checkpoint_arrays(self, arrays: list[np.ndarray]) -> Any:
-        if len(arrays) == 1 and arrays[0].dtype == np.uint8 and arrays[0][:len(_STATE_MAGIC)].tobytes() == _STATE_MAGIC:
-            blob, parts, i = arrays[0].tobytes(), [], len(_STATE_MAGIC)
-            while i < len(blob):
-                n = int.from_bytes(blob[i:i + 8], "big")
-                parts.append(blob[i + 8:i + 8 + n])
-                i += 8 + n
-            chain = tuple((int(parts[k]), parts[k + 1]) for k in range(3, len(parts), 2))
-            return EncryptedModel(parts[0].decode(), parts[2], int(parts[1]), chain)
-        return self.initial(arrays)

@@ -1,4 +1,4 @@
-"""Flower's SecAgg+ as a channel, client half (see strategies/secagg.py for the protocol wiring).
+"""Flower's SecAgg+ as a channel, client half (see channels/secagg/server.py for the protocol wiring).
 
 ``wrap_train`` puts Flower's ``secaggplus_mod`` around the ClientApp's train handler. The mod answers
 the protocol's stages itself (key generation, key sharing, unmasking) and, in the
@@ -30,7 +30,6 @@ from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 from flwr.compat.common import recorddict_compat as compat
 
-from fedsim.components import CLIENT_CHANNELS
 from fedsim.protocol import (
     ARRAYS,
     CHANNEL,
@@ -111,7 +110,6 @@ def legacy_fit(handler: Handler) -> Handler:
     return fit
 
 
-@CLIENT_CHANNELS.register
 class SecAggPlusClientChannel(PlainClientChannel):
     """Inside training the model travels as plain arrays (``decode``/``encode`` of the plain channel):
     it leaves the client only through ``secaggplus_mod``, quantized and masked."""

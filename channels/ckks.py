@@ -1,4 +1,4 @@
-"""The CKKS channel, server half: ``[channel] name = "ckks"`` (TenSEAL; the peer of the Paillier channel).
+"""The CKKS channel, both halves: ``[channel] name = "ckks"`` (TenSEAL; the peer of the Paillier channel).
 
 Clients encrypt their whole trained model (floating entries) as CKKS vectors, 4096 values per ciphertext
 (``fedsim.crypto.ckks``); the server checks each payload with the public context alone
@@ -10,7 +10,9 @@ about 1e-8 per value whatever the values' range (:func:`fedsim.crypto.ckks.error
 so a model costs no precision and needs no state on the clients.
 
 The secret key never reaches the server: one client makes the key pair and seals the private context for
-the others (``fedsim.keydelivery``, as the Paillier channel's key). Parameters (fixed, 128-bit security):
+the others (``fedsim.keydelivery``, as the Paillier channel's key). Every client keeps its X25519 private
+key and, once delivered, the CKKS private context in Flower's ``Context.state``; neither is ever put in a
+reply. Integer buffers (``num_batches_tracked``) travel in no form and restart at zero. Parameters (fixed, 128-bit security):
 N = 8192, coefficient moduli 60/40/60 bits, scale 2**40 (docs/paillier.md, "The CKKS channel").
 """
 from __future__ import annotations
@@ -19,14 +21,15 @@ import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from flwr.app import ConfigRecord, Context, RecordDict
 
 from fedsim.components import CHANNELS
 from fedsim.crypto import ckks
 from fedsim.crypto.errors import IntegrityError
-from fedsim.keydelivery import SealedKeyServer
-from fedsim.protocol import ARRAYS, CHANNEL, ENCRYPT_SECONDS, PAYLOAD, arrays_record
+from fedsim.keydelivery import SealedKeyClient, SealedKeyServer
+from fedsim.protocol import ARRAYS, CHANNEL, ENCRYPT_SECONDS, PAYLOAD, arrays_record, decode_arrays
 from fedsim.replies import ChannelError, ModelSpec, Reply
-from fedsim.seams import WEIGHTED_SUM, RoundContext, ServerChannel
+from fedsim.seams import WEIGHTED_SUM, ClientChannel, RoundContext, ServerChannel
 
 _STATE_MAGIC = b"FSCS1"
 
@@ -38,11 +41,56 @@ class CkksModel:
         self.payload = payload
 
 
+class CkksClientChannel(SealedKeyClient, ClientChannel):
+    name = "ckks"
+    secret_field, public_field = "ckks-private", "ckks-public"
+
+    def make_keys(self, settings: Mapping[str, Any]) -> tuple[bytes, bytes]:
+        return ckks.make_keys()
+
+    def check_keys(self, public: bytes, secret: bytes) -> None:
+        ckks.check_keys(public, secret)
+
+    def fingerprint(self, public: bytes) -> bytes:
+        return ckks.fingerprint(public)
+
+    def _key(self, context: Context, field: str) -> bytes:
+        state = self.channel_state(context)
+        if field not in state:
+            raise RuntimeError("CKKS channel: this client holds no key (key delivery failed)")
+        return state[field]
+
+    def decode(self, content: RecordDict, context: Context, template: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        ch = content[CHANNEL]
+        if PAYLOAD not in ch:  # round 1: the public initial model
+            return decode_arrays(content[ARRAYS])
+        floating = [k for k, v in template.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
+        num = sum(int(np.asarray(template[k]).size) for k in floating)
+        flat = ckks.decode(self._key(context, self.secret_field), bytes(ch[PAYLOAD]), num)
+        out, i = [], 0
+        for k, v in template.items():
+            v = np.asarray(v)
+            if k in floating:
+                out.append(flat[i:i + v.size].reshape(v.shape).astype(v.dtype))
+                i += v.size
+            else:
+                out.append(np.zeros_like(v))
+        return out
+
+    def encode(self, arrays: Sequence[np.ndarray], param_names: Sequence[str], context: Context) -> dict[str, Any]:
+        floating = [np.asarray(a, dtype=np.float64).ravel() for a in arrays
+                    if np.issubdtype(np.asarray(a).dtype, np.floating)]
+        t0 = time.perf_counter()
+        payload = ckks.encode(self._key(context, self.public_field), np.concatenate(floating))
+        return {CHANNEL: ConfigRecord({PAYLOAD: payload, ENCRYPT_SECONDS: time.perf_counter() - t0})}
+
+
 @CHANNELS.register
 class CkksChannel(SealedKeyServer, ServerChannel):
     """CKKS-encrypted weighted means (no parameters: the CKKS parameters are fixed at 128-bit security)."""
 
     name = "ckks"
+    client = CkksClientChannel
     provides = frozenset({WEIGHTED_SUM})
     key_name = "the CKKS key pair"
 

@@ -9,10 +9,10 @@ Bell et al. 2020's SecAgg+ as implemented in Flower 1.41; nothing here masks or 
   ``ConfigRecord`` and the global arrays) and whose ``aggregate_fit`` captures the unmasked aggregate,
   the contributors, their example counts and metrics;
 * the workflow runs its four stages on a view of the round's grid (``ProtocolGrid``; the workflow's pieces
-  are in ``strategies/secagg_workflow.py``) that adds fedsim's ``CONFIG`` record to every message (the ClientApp needs the config to know the channel),
+  are in ``channels/secagg/workflow.py``) that adds fedsim's ``CONFIG`` record to every message (the ClientApp needs the config to know the channel),
   the channel's settings and the transforms' extras to the ``collect_masked_vectors`` message (the one
   that trains), records each client's failures and simulates the configured dropouts;
-* the clients' half (``clients/secagg.py``) runs Flower's ``secaggplus_mod`` around fedsim's own local
+* the clients' half (``channels/secagg/client.py``) runs Flower's ``secaggplus_mod`` around fedsim's own local
   training; each client uploads ``[w, w * params]`` quantized and masked, with ``w`` its example count
   over ``max_weight``: the unmasked result is FedAvg's example-weighted mean (up to the quantization).
 
@@ -56,7 +56,9 @@ from fedsim.protocol import (
 from fedsim.replies import ChannelError, ModelSpec, Reply
 from fedsim.seams import EXAMPLE_WEIGHTED_MEAN, PLAINTEXT_AGGREGATE, RoundContext, ServerChannel
 from fedsim.seeding import derive_seed
-from strategies.secagg_workflow import (
+
+from .client import SecAggPlusClientChannel
+from .workflow import (
     STAGES,
     ProtocolGrid,
     RoundStrategy,
@@ -90,6 +92,7 @@ class SecAggPlusChannel(ServerChannel):
     """
 
     name = "secagg+"
+    client = SecAggPlusClientChannel
     provides = frozenset({EXAMPLE_WEIGHTED_MEAN, PLAINTEXT_AGGREGATE})
 
     def __init__(self, num_shares: int | float = 3, reconstruction_threshold: int | float = 2,
