@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 STAMP := $(VENV)/.fedsim-installed
 
-.PHONY: setup demo test test-fast lint bench results clean
+.PHONY: setup demo test test-fast test-slow test-all lint bench results clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,14 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not ray"
+
+# Tests marked `slow` (full-length reproductions; `make test` and CI skip them): every experiment's quick
+# variants, the full-budget attack-strength checks.
+test-slow: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --slow -m slow
+
+test-all: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check fedsim strategies channels clients attacks experiments tests benchmarks scripts

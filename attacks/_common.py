@@ -5,19 +5,20 @@
   with muted layers left out and optional per-layer weights;
 * :meth:`Target.distance` - the matching loss (single-step gradient or FedAvg-aware replay);
 * :func:`lbfgs_loop` - the L-BFGS loop of DLG and CPL with threshold-based termination;
-* parameter checks whose errors name the offending ``attack.<key>``.
+* the constraints the attacks' parameters share (``POSITIVE``, ``LABELS``, ``PATTERNS``, ...).
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Annotated, Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from fedsim import progress
+from fedsim.params import OneOf, Range, Satisfies
 
 from .base import AttackInput, AttackResult
 from .gradients import (
@@ -37,54 +38,49 @@ from .labels import infer_labels
 INITS = ("random", "randn", "patterned", "dark", "light", "R", "G", "B")
 
 
-# ---------------------------------------------------------------- parameter checks
-def check_int(key: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"attack.{key} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
+# ---------------------------------------------------------------- parameter constraints
+# the limits the attacks' parameters share, as constraint objects for their signatures (fedsim.params):
+# ``iterations: Annotated[int, POSITIVE] = 300``; the registry checks them (errors name attack.<key>)
+POSITIVE = Range(1)  # an integer count >= 1
+NON_NEGATIVE = Range(0)
+ABOVE_ZERO = Range(0, open_low=True)
+LABELS = OneOf("idlg", "known")  # labels inferred from the gradient, or the threat model's known labels
 
 
-def check_float(key: str, value: Any, minimum: float = 0.0, allow_none: bool = False,
-                strict: bool = False) -> float | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < minimum or (strict and value == minimum):
-        op = ">" if strict else ">="
-        raise ValueError(f"attack.{key} must be a number {op} {minimum}{' or None' if allow_none else ''}, "
-                         f"got {value!r}")
-    return float(value)
+def _is_patterns(value: Any) -> bool:
+    return isinstance(value, str) or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))
 
 
-def check_choice(key: str, value: Any, choices: Sequence[Any]) -> Any:
-    if value not in choices:
-        raise ValueError(f"attack.{key} must be one of {list(choices)}, got {value!r}")
-    return value
+def _is_layer_weights(value: Any) -> bool:
+    if value in ("linear", "exp", "norm"):
+        return True
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                    for v in value)
 
 
-def check_patterns(key: str, value: Any) -> tuple[str, ...]:
+PATTERNS = Satisfies(_is_patterns, "a list of parameter-name patterns (fnmatch)")
+LAYER_WEIGHTS = Satisfies(_is_layer_weights, "None, 'linear', 'exp', 'norm', a list of numbers or a mapping from "
+                                             "parameter-name pattern to number")
+
+
+# the parameter types the attacks share (constraints included), e.g. ``iterations: Count = 300``
+Count = Annotated[int, POSITIVE]
+NonNegative = Annotated[float, NON_NEGATIVE]
+Positive = Annotated[float, ABOVE_ZERO]
+Threshold = Annotated[float | None, NON_NEGATIVE]  # None: no threshold
+Init = Annotated[str, OneOf(*INITS)]
+Labels = Annotated[str, LABELS]
+Muted = Annotated[Sequence[str] | None, PATTERNS]
+LayerWeights = Annotated[Any, LAYER_WEIGHTS]
+
+
+def patterns(value: str | Sequence[str] | None) -> tuple[str, ...]:
+    """A ``muted`` value (None, one pattern or a list) as a tuple of patterns."""
     if value is None:
         return ()
-    if isinstance(value, str):
-        value = [value]
-    if not all(isinstance(v, str) for v in value):
-        raise ValueError(f"attack.{key} must be a list of parameter-name patterns (fnmatch), got {value!r}")
-    return tuple(value)
-
-
-def check_layer_weights(key: str, value: Any) -> Any:
-    if value is None or value in ("linear", "exp", "norm"):
-        return value
-    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
-        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values())
-    elif isinstance(value, (list, tuple)):
-        ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)
-    else:
-        ok = False
-    if not ok:
-        raise ValueError(f"attack.{key} must be None, 'linear', 'exp', 'norm', a list of numbers or a mapping "
-                         f"from parameter-name pattern to number, got {value!r}")
-    return value
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 # ---------------------------------------------------------------- initialisation

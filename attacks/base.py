@@ -69,20 +69,21 @@ class Attack:
     # curious server refuses an attack that does not on such data, before the run trains
     supports_records: ClassVar[bool] = False
 
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        """Checks of this attack against the rest of the config (raise ValueError naming the keys), as every
+        component has: called through the curious server when the config is loaded, and again when the
+        run starts (the dataset is there then). Default: an attack that does not reconstruct records
+        (``supports_records``) refuses a dataset of records."""
+        if self.supports_records:
+            return
+        shape = input_shape(cfg)
+        if shape is not None and len(shape) != 3:
+            ok = sorted(n for n, cls in ATTACKS.items() if getattr(cls, "supports_records", False))
+            raise ValueError(f"reconstructs images (C, H, W) only; data.dataset = {cfg['data']['dataset']!r} has "
+                             f"records of {tuple(shape)} features (attacks for records: {ok})")
+
     def run(self, inp: AttackInput) -> AttackResult:  # pragma: no cover - interface
         raise NotImplementedError
-
-    # ---- config-time checks (before anything trains: an attack that cannot work is a config error) ----
-    @classmethod
-    def config_problem(cls, cfg: Mapping[str, Any]) -> str | None:
-        """What the rest of the config lacks for this attack (a message naming the key), or None.
-        Checked when the config is validated."""
-        return None
-
-    def model_problem(self, model: nn.Module) -> str | None:
-        """Why this attack, with its parameters, cannot attack updates of ``model`` (the global model the
-        config describes), or None. Checked with the data, before any run folder exists."""
-        return None
 
     def run_many(self, inputs: Sequence[AttackInput], max_group: int | None = None) -> list[AttackResult]:
         """Attack several victims' updates (e.g. every victim of a round); results in input order.
@@ -120,6 +121,33 @@ class Attack:
 
 
 ATTACKS.base = Attack
+
+
+def config_model(cfg: Mapping[str, Any]) -> nn.Module | None:
+    """A fresh global model as the config describes it (for an attack's ``validate_config``), or None when
+    the model itself has a problem (:func:`fedsim.config_checks.model_problem` reports it, naming model.name) or
+    the data are not available here."""
+    import torch
+
+    from fedsim.config_checks import model_problem
+    from fedsim.factories import model_for
+
+    if input_shape(cfg) is None or model_problem(cfg) is not None:
+        return None
+    with torch.random.fork_rng(devices=[]):  # the caller's random stream stays as it was
+        return model_for(cfg)
+
+
+def input_shape(cfg: Mapping[str, Any]) -> tuple[int, ...] | None:
+    """The config's input shape ((C, H, W) images, (F,) records), or None when its dataset cannot be
+    loaded here (config validation tolerates that; the run reports it before anything is written)."""
+    from fedsim.data import DatasetUnavailable
+    from fedsim.factories import dataset_for
+
+    try:
+        return tuple(dataset_for(cfg).in_shape)
+    except (DatasetUnavailable, ValueError):
+        return None
 
 
 def register(cls: type[Attack]) -> type[Attack]:

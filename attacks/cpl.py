@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from ._common import check_choice, check_float
+from ._common import Init, Labels, NonNegative
 from .base import register
 from .dlg import DLG
 
@@ -34,14 +34,10 @@ class CPL(DLG):
     ``alpha`` (1e-4), the weight of the label regulariser."""
 
     name = "cpl"
-    default_labels = "idlg"
-    default_init = "patterned"
-    default_stop = False
 
-    def __init__(self, alpha: float = 1e-4, **kwargs):
-        super().__init__(**kwargs)
-        check_choice("labels", self.labels, ("idlg", "known"))
-        self.alpha = check_float("alpha", alpha)
+    def __init__(self, alpha: NonNegative = 1e-4, labels: Labels = "idlg", init: Init = "patterned", **kwargs):
+        super().__init__(labels=labels, init=init, **kwargs)
+        self.alpha = float(alpha)
 
     def regulariser(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         if not self.alpha:

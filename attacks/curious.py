@@ -49,19 +49,19 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from attacks.base import AttackInput
 from fedsim import progress
-from fedsim.components import ATTACKS, KNOWLEDGE, OBSERVERS
-from fedsim.config_checks import attack_data_problem
+from fedsim.components import ATTACKS, KNOWLEDGE, OBSERVERS, ConfigError
 from fedsim.device import resolve_device
 from fedsim.factories import dataset_for, model_for
 from fedsim.metrics.records import MSE_THRESHOLD
 from fedsim.observers import ClientUpdate, Observer
+from fedsim.params import Range
 from fedsim.protocol import BATCH_SIZE, NOISE_VARIANCE
 
 from . import leakage_figures, leakage_report
@@ -76,19 +76,21 @@ class CuriousServer(Observer):
     name = "curious-server"
 
     def __init__(self, *, cfg: Mapping[str, Any], name: str | list[str] = "dlg", rounds: str | list[int] | None = None,
-                 every: int = 0, victims: str | int | list[int] = "sampled", seed: int = 0, device: str = "auto",
-                 psnr_threshold: float | None = None, ssim_threshold: float = 0.5, max_truth: int = 64,
-                 max_images: int = 8, mse_threshold: float = MSE_THRESHOLD, compensate: bool = False, compensate_Q: float = 6.0,
-                 compensate_noise_variance: float | None = None, params: Mapping[str, Any] | None = None,
-                 knowledge: list[Any] | None = None, stack: int = 16, enabled: bool = True):
+                 every: Annotated[int, Range(0)] = 0, victims: str | int | list[int] = "sampled",
+                 seed: Annotated[int, Range(0)] = 0, device: str = "auto", psnr_threshold: float | None = None,
+                 ssim_threshold: float = 0.5, max_truth: Annotated[int, Range(1)] = 64,
+                 max_images: Annotated[int, Range(1)] = 8,
+                 mse_threshold: Annotated[float, Range(0, open_low=True)] = MSE_THRESHOLD, compensate: bool = False,
+                 compensate_Q: Annotated[float, Range(1)] = 6.0,
+                 compensate_noise_variance: Annotated[float | None, Range(0)] = None,
+                 params: Mapping[str, Any] | None = None, knowledge: list[Any] | None = None,
+                 stack: Annotated[int, Range(1)] = 16, enabled: bool = True):
         self.cfg = cfg
         self.names = [name] if isinstance(name, str) else list(name)
         if not self.names or not all(isinstance(n, str) for n in self.names):
             raise ValueError(f"attack.name must be an attack name or a list of names, got {name!r}")
         for n in self.names:
-            problem = ATTACKS.lookup(n, "attack.name").config_problem(cfg)
-            if problem:
-                raise ValueError(problem)
+            ATTACKS.lookup(n, "attack.name")
         params = {} if params is None else params
         if not isinstance(params, Mapping):
             raise ValueError("attack.params must be a table of per-attack tables ([attack.params.dlg])")
@@ -96,23 +98,13 @@ class CuriousServer(Observer):
             if n not in self.names:
                 raise ValueError(f"attack.params.{n}: {n!r} is not in attack.name {self.names}")
         self.params = {n: dict(params.get(n, {})) for n in self.names}
-        for n in self.names:  # validates the hyper-parameters (errors name the key)
-            ATTACKS.build_named(n, self.params[n], f"attack.params.{n}")
+        # validates the hyper-parameters (errors name the key); validate_config asks each about the config
+        self.attacks = {n: ATTACKS.build_named(n, self.params[n], f"attack.params.{n}") for n in self.names}
         self.plan = AttackPlan(cfg["federation"], rounds, every, victims, seed)
-        if compensate_Q < 1:
-            raise ValueError(f"attack.compensate_Q must be a number >= 1, got {compensate_Q!r}")
-        if compensate_noise_variance is not None and compensate_noise_variance < 0:
-            raise ValueError(f"attack.compensate_noise_variance must be a number >= 0, got {compensate_noise_variance!r}")
-        for k, v, lo in (("seed", seed, 0), ("max_truth", max_truth, 1), ("max_images", max_images, 1),
-                         ("stack", stack, 1)):
-            if v < lo:
-                raise ValueError(f"attack.{k} must be an integer >= {lo}, got {v!r}")
         self.seed = int(seed)
         self.device = resolve_device(device)
         self.psnr_threshold = float(psnr_threshold) if psnr_threshold is not None else None
         self.ssim_threshold = float(ssim_threshold)
-        if isinstance(mse_threshold, bool) or not isinstance(mse_threshold, (int, float)) or not mse_threshold > 0:
-            raise ValueError(f"attack.mse_threshold must be a number > 0, got {mse_threshold!r}")
         self.mse_threshold = float(mse_threshold)
         self._is_records: bool | None = None  # set from the dataset when first needed
         self.max_truth, self.max_images = int(max_truth), int(max_images)
@@ -132,11 +124,19 @@ class CuriousServer(Observer):
         return OBSERVERS.build_named(cls.name, cfg["attack"], "attack", cfg=cfg)
 
     # ---- Observer API ---------------------------------------------------------------------------
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        """Each attack's own checks against the config (``Attack.validate_config``), naming the attack."""
+        for n, attack in self.attacks.items():
+            try:
+                attack.validate_config(cfg)
+            except ConfigError:
+                raise
+            except ValueError as exc:
+                raise ConfigError(f"attack.name {n!r}: {exc}") from exc
+
     def on_start(self, out_dir: Path | None) -> None:
         self.out = out_dir
-        problem = attack_data_problem(self.cfg, dataset_for(self.cfg).in_shape)
-        if problem:  # before any training (check_data reports it before the run starts)
-            raise ValueError(problem)
+        self.validate_config(self.cfg)  # again, before any training: the dataset is there now
 
     @property
     def records(self) -> bool:

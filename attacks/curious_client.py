@@ -33,17 +33,21 @@ From ``g_others`` it extracts inputs:
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Annotated, Any, Sequence
 
 import torch
 from torch.nn import functional as F
 
+from fedsim.components import check_value
 from fedsim.lossless import Layer, forward
+from fedsim.params import OneOf, Range
 
-from ._common import check_choice, check_float, check_int, init_dummy, lbfgs_loop
+from ._common import Count, Positive, init_dummy, lbfgs_loop
 from .gradients import gradient_distance
 
 LOSSES = ("mse", "cross_entropy")
+Loss = Annotated[str, OneOf(*LOSSES)]
+OwnWeight = Annotated[float, Range(0, 1, open_high=True)]
 
 
 def others_gradient(prev: Sequence[Layer], new: Sequence[Layer], own_grad: Sequence[Layer], lr: float,
@@ -53,10 +57,9 @@ def others_gradient(prev: Sequence[Layer], new: Sequence[Layer], own_grad: Seque
     ``own_weight`` is the attacker's aggregation weight ``n_own / n_total`` (assumed known: generous to
     the attacker); ``own_grad`` the gradient it computed itself.
     """
-    lr = check_float("lr", lr, strict=True)
-    w = check_float("own_weight", own_weight)
-    if not w < 1:
-        raise ValueError(f"attack.own_weight must be < 1 (someone else must contribute), got {own_weight!r}")
+    check_value("attack.lr", lr, Positive)
+    check_value("attack.own_weight", own_weight, OwnWeight)  # < 1: someone else must contribute
+    lr, w = float(lr), float(own_weight)
     out: list[Layer] = []
     for (pw, pb), (nw, nb), (gw, gb) in zip(prev, new, own_grad, strict=True):
         ow = ((pw - nw) / lr - w * gw) / (1 - w)
@@ -89,8 +92,9 @@ def invert_rows(grads: Sequence[Layer], *, rtol: float = 1e-6, min_rows: int = 2
     gw, gb = grads[0]
     if gb is None:
         raise ValueError("invert_rows needs a first layer with a bias")
-    min_rows = check_int("min_rows", min_rows)
-    rtol = check_float("rtol", rtol, strict=True)
+    check_value("attack.min_rows", min_rows, Count)
+    check_value("attack.rtol", rtol, Positive)
+    rtol = float(rtol)
     gw, gb = gw.double(), gb.double()
     live = (gb.abs() > 1e-12 * gb.abs().max().clamp_min(1e-300)).nonzero().flatten()
     cand = gw[live] / gb[live, None]
@@ -127,9 +131,8 @@ def invert_optimisation(layers: Sequence[Layer], target: Sequence[Layer], batch_
     ``cross_entropy``). Returns inputs ``(B, *input_shape)`` clamped to [0, 1], labels ``(B,)`` and the
     L-BFGS trace (``loss``, ``iterations``, ``seconds``).
     """
-    check_choice("loss", loss, LOSSES)
-    batch_size = check_int("batch_size", batch_size)
-    iterations = check_int("iterations", iterations)
+    for key, value, kind in (("loss", loss, Loss), ("batch_size", batch_size, Count), ("iterations", iterations, Count)):
+        check_value(f"attack.{key}", value, kind)
     t0 = time.perf_counter()
     dt, dev = layers[0][0].dtype, layers[0][0].device
     params = [t.detach().clone().requires_grad_(True) for w, b in layers for t in ((w,) if b is None else (w, b))]

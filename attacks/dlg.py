@@ -9,28 +9,33 @@ last layer's gradient (:mod:`attacks.labels`) and optimises the inputs only.
 from __future__ import annotations
 
 import time
-from typing import Any, Sequence
+from typing import Annotated, Sequence
 
 import torch
 
+from fedsim.lifecycle import preset
+from fedsim.params import OneOf
+
 from ._common import (
-    INITS,
+    POSITIVE,
+    Count,
+    Init,
+    LayerWeights,
+    Muted,
+    NonNegative,
     RestartLog,
     Target,
-    check_choice,
-    check_float,
-    check_int,
-    check_layer_weights,
-    check_patterns,
+    Threshold,
     choose_labels,
     finish,
     finish_group,
     generator,
     init_dummy,
     lbfgs_loop,
+    patterns,
     prepare_target,
 )
-from .base import Attack, AttackInput, AttackResult, register
+from .base import ATTACKS, Attack, AttackInput, AttackResult, register
 
 LABEL_MODES = ("joint", "idlg", "known")
 
@@ -76,29 +81,18 @@ class DLG(Attack):
 
     name = "dlg"
     supports_records = True  # images (C, H, W) or records (F,): nothing here is image-shaped but init_dummy
-    default_labels = "joint"
-    default_init = "random"
-    default_stop = False
 
-    def __init__(self, iterations: int = 3000, labels: str | None = None, init: str | None = None,
-                 pattern: int = 2, muted: Sequence[str] | None = None, layer_weights: Any = None,
-                 history: int = 100, line_search: str | None = None, threshold: float | None = 1e-4,
-                 stop_at_threshold: bool | None = None, restarts: int = 4, patience: int | None = 100,
-                 tol: float = 1e-10):
-        self.iterations = check_int("iterations", iterations)
-        self.labels = check_choice("labels", labels if labels is not None else self.default_labels, LABEL_MODES)
-        self.init = check_choice("init", init if init is not None else self.default_init, INITS)
-        self.pattern = check_int("pattern", pattern)
-        self.muted = check_patterns("muted", muted)
-        self.layer_weights = check_layer_weights("layer_weights", layer_weights)
-        self.history = check_int("history", history)
-        self.line_search = check_choice("line_search", line_search, (None, "strong_wolfe"))
-        self.threshold = check_float("threshold", threshold, allow_none=True)
-        stop = self.default_stop if stop_at_threshold is None else stop_at_threshold
-        self.stop_at_threshold = bool(check_choice("stop_at_threshold", stop, (True, False)))
-        self.restarts = check_int("restarts", restarts)
-        self.patience = None if patience is None else check_int("patience", patience)
-        self.tol = check_float("tol", tol)
+    def __init__(self, iterations: Count = 3000, labels: Annotated[str, OneOf(*LABEL_MODES)] = "joint",
+                 init: Init = "random", pattern: Count = 2, muted: Muted = None, layer_weights: LayerWeights = None,
+                 history: Count = 100, line_search: Annotated[str | None, OneOf("strong_wolfe")] = None,
+                 threshold: Threshold = 1e-4, stop_at_threshold: bool = False, restarts: Count = 4,
+                 patience: Annotated[int | None, POSITIVE] = 100, tol: NonNegative = 1e-10):
+        self.iterations, self.labels, self.init, self.pattern = iterations, labels, init, pattern
+        self.muted, self.layer_weights = patterns(muted), layer_weights
+        self.history, self.line_search = history, line_search
+        self.threshold = None if threshold is None else float(threshold)
+        self.stop_at_threshold = bool(stop_at_threshold)
+        self.restarts, self.patience, self.tol = restarts, patience, float(tol)
 
     # hook for CPL's label regulariser: extra loss from the dummy logits and the labels
     def regulariser(self, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -195,27 +189,17 @@ class DLG(Attack):
         return x.detach(), labels, trace
 
 
-@register
-class DLGOriginal(DLG):
-    """DLG as in the original (Zhu et al. 2019's code; the DLG seed 003's Table 3.6 compares against):
+DLGOriginal = ATTACKS.register(preset(
+    DLG, "dlg-original", class_name="DLGOriginal", init="randn", iterations=300 * 20, restarts=1, patience=300 * 20,
+    doc="""DLG as in the original (Zhu et al. 2019's code; the DLG seed 003's Table 3.6 compares against):
     one attempt from N(0, 1) dummy data and label logits (``randn``), L-BFGS with learning rate 1 and
     history 100 without a line search, and the original's budget: 300 ``torch.optim.LBFGS`` steps of
     PyTorch's default ``max_iter=20`` iterations, i.e. at most 6,000 iterations here (one objective
     evaluation each; the L-BFGS trajectory is the same, the optimiser's state carries over between
     steps). No stall stop (``patience`` = the budget); like the original, which ends a step when the
     loss changes by less than 1e-9, it stops at an exact match (``tol``), where more steps cannot change
-    the images. A preset of :class:`DLG`: only these defaults differ, every parameter can be set."""
+    the images. A preset of :class:`DLG`: only these defaults differ, every parameter can be set."""))
 
-    name = "dlg-original"
-    default_init = "randn"
-
-    def __init__(self, iterations: int = 300 * 20, restarts: int = 1, patience: int | None = 300 * 20, **kwargs):
-        super().__init__(iterations=iterations, restarts=restarts, patience=patience, **kwargs)
-
-
-@register
-class IDLG(DLG):
-    """iDLG: DLG with the label inferred from the last layer's gradient (``labels="idlg"``)."""
-
-    name = "idlg"
-    default_labels = "idlg"
+IDLG = ATTACKS.register(preset(
+    DLG, "idlg", class_name="IDLG", labels="idlg",
+    doc="""iDLG: DLG with the label inferred from the last layer's gradient (a preset: ``labels="idlg"``)."""))

@@ -52,27 +52,30 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence
+from typing import Annotated, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from fedsim import progress
+from fedsim.params import OneOf, Range
 from fedsim.protocol import LR
 
 from ._common import (
+    Count,
+    LayerWeights,
+    Muted,
+    NonNegative,
+    Positive,
     RestartLog,
     Target,
-    check_choice,
-    check_float,
-    check_int,
-    check_layer_weights,
-    check_patterns,
+    Threshold,
     choose_labels,
     finish,
     finish_group,
     generator,
+    patterns,
     prepare_target,
 )
 from .base import Attack, AttackInput, AttackResult, register
@@ -262,26 +265,18 @@ class GRNN(Attack):
 
     name = "grnn"
 
-    def __init__(self, iterations: int = 3000, lr: float = 1e-4, momentum: float = 0.99, tv: float = 1e-3,
-                 wd: str = "w2", latent_dim: int = 128, max_width: int = 16, fit: str = "crop",
-                 labels: str = "idlg", muted: Sequence[str] | None = None, layer_weights: Any = None,
-                 threshold: float | None = 1e-4, restarts: int = 1, fedavg_aware: bool = False):
-        self.iterations = check_int("iterations", iterations)
-        self.lr = check_float("lr", lr, strict=True)
-        self.momentum = check_float("momentum", momentum)
-        if self.momentum >= 1:
-            raise ValueError(f"attack.momentum must be a number in [0, 1), got {momentum!r}")
-        self.tv = check_float("tv", tv)
-        self.wd = check_choice("wd", wd, WD_MODES)
-        self.latent_dim = check_int("latent_dim", latent_dim)
-        self.max_width = check_int("max_width", max_width, 2)
-        self.fit = check_choice("fit", fit, FITS)
-        self.labels = check_choice("labels", labels, LABEL_MODES)
-        self.muted = check_patterns("muted", muted)
-        self.layer_weights = check_layer_weights("layer_weights", layer_weights)
-        self.threshold = check_float("threshold", threshold, allow_none=True)
-        self.restarts = check_int("restarts", restarts)
-        self.fedavg_aware = bool(check_choice("fedavg_aware", fedavg_aware, (True, False)))
+    def __init__(self, iterations: Count = 3000, lr: Positive = 1e-4,
+                 momentum: Annotated[float, Range(0, 1, open_high=True)] = 0.99, tv: NonNegative = 1e-3,
+                 wd: Annotated[str, OneOf(*WD_MODES)] = "w2", latent_dim: Count = 128,
+                 max_width: Annotated[int, Range(2)] = 16, fit: Annotated[str, OneOf(*FITS)] = "crop",
+                 labels: Annotated[str, OneOf(*LABEL_MODES)] = "idlg", muted: Muted = None,
+                 layer_weights: LayerWeights = None, threshold: Threshold = 1e-4, restarts: Count = 1,
+                 fedavg_aware: bool = False):
+        self.iterations, self.lr, self.momentum, self.tv = iterations, float(lr), float(momentum), float(tv)
+        self.wd, self.latent_dim, self.max_width, self.fit = wd, latent_dim, max_width, fit
+        self.labels, self.muted, self.layer_weights = labels, patterns(muted), layer_weights
+        self.threshold = None if threshold is None else float(threshold)
+        self.restarts, self.fedavg_aware = restarts, bool(fedavg_aware)
 
     def run(self, inp: AttackInput) -> AttackResult:
         t0 = time.perf_counter()

@@ -16,27 +16,30 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
 from fedsim import progress
 
 from ._common import (
-    INITS,
+    Count,
+    Init,
+    Labels,
+    LayerWeights,
+    Muted,
+    NonNegative,
+    Positive,
     RestartLog,
     Target,
-    check_choice,
-    check_float,
-    check_int,
-    check_layer_weights,
-    check_patterns,
+    Threshold,
     choose_labels,
     clamp_to,
     finish,
     finish_group,
     generator,
     init_dummy,
+    patterns,
     prepare_target,
 )
 from .base import Attack, AttackInput, AttackResult, register
@@ -72,23 +75,15 @@ class InvertingGradients(Attack):
     name = "ig"
     supports_records = True  # on records: no TV prior, no box (AttackInput.bounds is None)
 
-    def __init__(self, iterations: int = 2000, lr: float = 0.1, tv: float = 3e-3, init: str = "random",
-                 pattern: int = 2, restarts: int = 1, layer_weights: Any = None,
-                 muted: Sequence[str] | None = None, labels: str = "idlg", fedavg_aware: bool = False,
-                 lr_decay: bool = True, signed: bool = True, threshold: float | None = None):
-        self.iterations = check_int("iterations", iterations)
-        self.lr = check_float("lr", lr, strict=True)
-        self.tv = check_float("tv", tv)
-        self.init = check_choice("init", init, INITS)
-        self.pattern = check_int("pattern", pattern)
-        self.restarts = check_int("restarts", restarts)
-        self.layer_weights = check_layer_weights("layer_weights", layer_weights)
-        self.muted = check_patterns("muted", muted)
-        self.labels = check_choice("labels", labels, ("idlg", "known"))
-        self.fedavg_aware = bool(check_choice("fedavg_aware", fedavg_aware, (True, False)))
-        self.lr_decay = bool(check_choice("lr_decay", lr_decay, (True, False)))
-        self.signed = bool(check_choice("signed", signed, (True, False)))
-        self.threshold = check_float("threshold", threshold, allow_none=True)
+    def __init__(self, iterations: Count = 2000, lr: Positive = 0.1, tv: NonNegative = 3e-3, init: Init = "random",
+                 pattern: Count = 2, restarts: Count = 1, layer_weights: LayerWeights = None, muted: Muted = None,
+                 labels: Labels = "idlg", fedavg_aware: bool = False, lr_decay: bool = True, signed: bool = True,
+                 threshold: Threshold = None):
+        self.iterations, self.lr, self.tv = iterations, float(lr), float(tv)
+        self.init, self.pattern, self.restarts = init, pattern, restarts
+        self.layer_weights, self.muted, self.labels = layer_weights, patterns(muted), labels
+        self.fedavg_aware, self.lr_decay, self.signed = bool(fedavg_aware), bool(lr_decay), bool(signed)
+        self.threshold = None if threshold is None else float(threshold)
 
     def run(self, inp: AttackInput) -> AttackResult:
         t0 = time.perf_counter()

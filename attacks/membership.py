@@ -54,13 +54,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from fedsim.lossless import Layer, forward
+from fedsim.params import OneOf
 
 FEATURES = ("last", "second", "third", "last3")
 
 
-def _check_choice(key: str, value, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"attack.{key} must be one of {list(choices)}, got {value!r}")
 
 
 def layer_features(layers: Sequence[Layer], x: torch.Tensor, labels: torch.Tensor, num_classes: int,
@@ -70,7 +68,7 @@ def layer_features(layers: Sequence[Layer], x: torch.Tensor, labels: torch.Tenso
     ``layers`` is whatever model the attacker holds (the true one without a defence, the perturbed one
     ``W^`` under seed 002's defence).
     """
-    _check_choice("features", which, FEATURES)
+    OneOf(*FEATURES).check("attack.features", which)
     with torch.no_grad():
         out, hidden = forward(layers, x, negative_slope=negative_slope)
         outs = [*hidden, out]  # y^(1) ... y^(L)

@@ -46,28 +46,32 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence
+from typing import Annotated, Any, Mapping
 
 import torch
-from torch import nn
 
 from fedsim import progress
+from fedsim.lifecycle import preset
+from fedsim.params import OneOf
 
 from ._common import (
-    INITS,
+    ABOVE_ZERO,
+    Count,
+    Init,
+    Labels,
+    LayerWeights,
+    Muted,
+    NonNegative,
     Target,
-    check_choice,
-    check_float,
-    check_int,
-    check_layer_weights,
-    check_patterns,
+    Threshold,
     choose_labels,
     finish,
     generator,
     init_dummy,
+    patterns,
     prepare_target,
 )
-from .base import Attack, AttackInput, AttackResult, register
+from .base import ATTACKS, Attack, AttackInput, AttackResult, config_model, register
 from .bn_prior import BN_TARGETS, BNRecorder, bn_layers, bn_loss, bn_targets
 from .features import Features, reconstruct_features, span_loss, squared_cosine_loss
 from .image_prior import ImagePrior
@@ -98,49 +102,39 @@ class RegularisedInvertingGradients(Attack):
     name = "ig-bn"
     require_bn = True  # ig-bn is the BN prior: a model without BatchNorm is an error
 
-    def __init__(self, iterations: int = 2000, lr: float | None = None, tv: float = 1e-2, init: str = "random",
-                 pattern: int = 2, restarts: int = 1, layer_weights: Any = None,
-                 muted: Sequence[str] | None = None, labels: str = "idlg", lr_decay: bool = True,
-                 signed: bool = True, threshold: float | None = None, bn_prior: float = 0.1,
-                 bn_target: str = "update", features: float = 0.0, feature_loss: str = "auto",
-                 feature_restarts: int = 4, image_prior: bool = False, prior_width: int = 16,
-                 prior_depth: int = 2):
-        self.iterations = check_int("iterations", iterations)
-        self.lr = check_float("lr", lr, strict=True, allow_none=True)
-        self.tv = check_float("tv", tv)
-        self.init = check_choice("init", init, INITS)
-        self.pattern = check_int("pattern", pattern)
-        self.restarts = check_int("restarts", restarts)
-        self.layer_weights = check_layer_weights("layer_weights", layer_weights)
-        self.muted = check_patterns("muted", muted)
-        self.labels = check_choice("labels", labels, ("idlg", "known"))
-        self.lr_decay = bool(check_choice("lr_decay", lr_decay, (True, False)))
-        self.signed = bool(check_choice("signed", signed, (True, False)))
-        self.threshold = check_float("threshold", threshold, allow_none=True)
-        self.bn_prior = check_float("bn_prior", bn_prior)
-        self.bn_target = check_choice("bn_target", bn_target, BN_TARGETS)
-        self.features = check_float("features", features)
-        self.feature_loss = check_choice("feature_loss", feature_loss, FEATURE_LOSSES)
-        self.feature_restarts = check_int("feature_restarts", feature_restarts)
-        self.image_prior = bool(check_choice("image_prior", image_prior, (True, False)))
-        self.prior_width = check_int("prior_width", prior_width)
-        self.prior_depth = check_choice("prior_depth", prior_depth, (1, 2))
+    def __init__(self, iterations: Count = 2000, lr: Annotated[float | None, ABOVE_ZERO] = None, tv: NonNegative = 1e-2,
+                 init: Init = "random", pattern: Count = 2, restarts: Count = 1, layer_weights: LayerWeights = None,
+                 muted: Muted = None, labels: Labels = "idlg", lr_decay: bool = True, signed: bool = True,
+                 threshold: Threshold = None, bn_prior: NonNegative = 0.1,
+                 bn_target: Annotated[str, OneOf(*BN_TARGETS)] = "update", features: NonNegative = 0.0,
+                 feature_loss: Annotated[str, OneOf(*FEATURE_LOSSES)] = "auto", feature_restarts: Count = 4,
+                 image_prior: bool = False, prior_width: Count = 16, prior_depth: Annotated[int, OneOf(1, 2)] = 2):
+        self.iterations, self.lr, self.tv = iterations, None if lr is None else float(lr), float(tv)
+        self.init, self.pattern, self.restarts = init, pattern, restarts
+        self.layer_weights, self.muted, self.labels = layer_weights, patterns(muted), labels
+        self.lr_decay, self.signed = bool(lr_decay), bool(signed)
+        self.threshold = None if threshold is None else float(threshold)
+        self.bn_prior, self.bn_target = float(bn_prior), bn_target
+        self.features, self.feature_loss, self.feature_restarts = float(features), feature_loss, feature_restarts
+        self.image_prior, self.prior_width, self.prior_depth = bool(image_prior), prior_width, prior_depth
 
-    def model_problem(self, model: nn.Module) -> str | None:
-        if not self.bn_prior:
-            return None
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        super().validate_config(cfg)
+        model = config_model(cfg)  # None when the model is reported elsewhere (or the data are missing here)
+        if model is None or not self.bn_prior:
+            return
         layers = bn_layers(model)
         if not layers:
-            return None if not self.require_bn else (
-                f"the BatchNorm-statistics prior (bn_prior = {self.bn_prior}) needs a model with BatchNorm "
-                f"layers; this model ({type(model).__name__}) has none (use model.norm = \"batch\", or "
-                f"attack.params.{self.name}.bn_prior = 0, or the attack 'ig')")
+            if self.require_bn:
+                raise ValueError(f"the BatchNorm-statistics prior (bn_prior = {self.bn_prior}) needs a model with "
+                                 f"BatchNorm layers; this model ({type(model).__name__}) has none (use model.norm = "
+                                 f"\"batch\", or attack.params.{self.name}.bn_prior = 0, or the attack 'ig')")
+            return
         if self.bn_target == "update":
             cumulative = [n for n, m in layers if m.momentum is None]
             if cumulative:
-                return (f"bn_target = 'update' reads the batch statistics back from the running averages, which "
-                        f"needs a fixed BatchNorm momentum; {cumulative[0]!r} uses a cumulative average")
-        return None
+                raise ValueError(f"bn_target = 'update' reads the batch statistics back from the running averages, "
+                                 f"which needs a fixed BatchNorm momentum; {cumulative[0]!r} uses a cumulative average")
 
     # ------------------------------------------------------------------ set-up
     def _bn_setup(self, inp: AttackInput, target: Target, batch: int):
@@ -283,17 +277,11 @@ class RegularisedInvertingGradients(Attack):
                         "loss_terms": parts}
 
 
-@register
-class FeatureReconstructionIG(RegularisedInvertingGradients):
-    """Seed 004's attack (``ig-fr``): a preset of ``ig-bn`` whose defaults turn on seed 004's parts -
+FeatureReconstructionIG = ATTACKS.register(preset(
+    RegularisedInvertingGradients, "ig-fr", class_name="FeatureReconstructionIG",
+    attrs={"require_bn": False},  # the BN prior applies where the model has BatchNorm layers
+    features=0.1, image_prior=True, prior_width=PRIOR_WIDTH, prior_depth=PRIOR_DEPTH,
+    doc="""Seed 004's attack (``ig-fr``): a preset of ``ig-bn`` whose defaults turn on seed 004's parts -
     ``features`` (0.1), ``image_prior`` (True; ``prior_width`` 8, ``prior_depth`` 1), the BN prior
     (``bn_prior`` 0.1, ``bn_target="update"``) applied only where the model has BatchNorm layers. Every
-    other parameter and default is ``ig-bn``'s. See the module doc."""
-
-    name = "ig-fr"
-    require_bn = False  # the BN prior applies where the model has BatchNorm layers
-
-    def __init__(self, features: float = 0.1, image_prior: bool = True, prior_width: int = PRIOR_WIDTH,
-                 prior_depth: int = PRIOR_DEPTH, **kwargs):
-        super().__init__(features=features, image_prior=image_prior, prior_width=prior_width,
-                         prior_depth=prior_depth, **kwargs)
+    other parameter and default is ``ig-bn``'s. See the module doc."""))

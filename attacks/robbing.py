@@ -21,14 +21,15 @@ recovered images are returned in bin order, so they are not paired with their la
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
 import torch
 
 from fedsim.models.imprint import IMPRINT_TRANSFORM, ImprintBlock
+from fedsim.params import Range
 from fedsim.protocol import BATCH_SIZE
 
-from ._common import check_choice, check_float, choose_labels, finish, prepare_target
+from ._common import Labels, choose_labels, finish, prepare_target
 from .base import Attack, AttackInput, AttackResult, register
 from .gradients import local_step_count, update_to_gradient
 
@@ -61,22 +62,18 @@ class RobbingTheFed(Attack):
 
     name = "robbing"
 
-    def __init__(self, labels: str = "idlg", tolerance: float = 1e-5):
-        self.labels = check_choice("labels", labels, ("idlg", "known"))
-        self.tolerance = check_float("tolerance", tolerance, strict=True)
-        if self.tolerance >= 1:
-            raise ValueError(f"attack.tolerance must be a number in (0, 1), got {tolerance!r}")
+    def __init__(self, labels: Labels = "idlg", tolerance: Annotated[float, Range(0, 1, open_low=True, open_high=True)] = 1e-5):
+        self.labels, self.tolerance = labels, float(tolerance)
 
-    @classmethod
-    def config_problem(cls, cfg: Mapping[str, Any]) -> str | None:
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        super().validate_config(cfg)
         if not cfg["model"].get("imprint_bins"):
-            return ("attack.name 'robbing' is the malicious-server attack: it needs the imprinted model "
-                    "(model.imprint_bins) and the server transform [[transforms]] name = 'robbing-imprint'")
+            raise ValueError("the malicious-server attack needs the imprinted model (model.imprint_bins) and the "
+                             "server transform [[transforms]] name = 'robbing-imprint'")
         if not any(isinstance(t, Mapping) and t.get("name") == IMPRINT_TRANSFORM for t in cfg.get("transforms") or []):
-            return (f"attack.name 'robbing' needs the server transform [[transforms]] name = '{IMPRINT_TRANSFORM}' "
-                    "that imprints the model it sends: with model.imprint_bins alone the imprint block keeps its "
-                    "random weights and what the attack reads back is not the victims' inputs")
-        return None
+            raise ValueError(f"it needs the server transform [[transforms]] name = '{IMPRINT_TRANSFORM}' that "
+                             "imprints the model it sends: with model.imprint_bins alone the imprint block keeps its "
+                             "random weights and what the attack reads back is not the victims' inputs")
 
     def run(self, inp: AttackInput) -> AttackResult:
         t0 = time.perf_counter()

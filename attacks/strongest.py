@@ -26,15 +26,21 @@ time (``run_many`` does not stack it).
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Annotated
+
+from fedsim.params import Range
 
 from ._common import (
+    POSITIVE,
+    Count,
+    Labels,
+    Muted,
+    NonNegative,
+    Positive,
     RestartLog,
-    check_choice,
-    check_int,
-    check_patterns,
     choose_labels,
     finish,
+    patterns,
     prepare_target,
 )
 from .base import Attack, AttackInput, AttackResult, register
@@ -48,18 +54,15 @@ class Strongest(Attack):
 
     name = "strongest"
 
-    def __init__(self, iterations: int = 3000, warm: int = 1000, restarts: int = 2, max_width: int = 32,
-                 lr: float = 1e-4, alpha: float = 1e-4, history: int = 100, patience: int | None = 100,
-                 tol: float = 1e-10, labels: str = "idlg", muted: Sequence[str] | None = None):
-        self.iterations = check_int("iterations", iterations)
-        self.warm = check_int("warm", warm)
-        self.restarts = check_int("restarts", restarts)
-        self.labels = check_choice("labels", labels, ("idlg", "known"))
-        self.muted = check_patterns("muted", muted)
+    def __init__(self, iterations: Count = 3000, warm: Count = 1000, restarts: Count = 2,
+                 max_width: Annotated[int, Range(2)] = 32, lr: Positive = 1e-4, alpha: NonNegative = 1e-4,
+                 history: Count = 100, patience: Annotated[int | None, POSITIVE] = 100, tol: NonNegative = 1e-10,
+                 labels: Labels = "idlg", muted: Muted = None):
+        self.iterations, self.warm, self.restarts, self.labels = iterations, warm, restarts, labels
+        self.muted = patterns(muted)
         self.max_width, self.lr = max_width, lr
         self.polish = CPL(iterations=self.iterations, alpha=alpha, history=history, patience=patience, tol=tol,
                           labels="known", muted=muted, restarts=1)
-        GRNN(max_width=max_width, lr=lr)  # validates the generator's parameters
 
     def run(self, inp: AttackInput) -> AttackResult:
         t0 = time.perf_counter()

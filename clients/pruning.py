@@ -19,14 +19,15 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from typing import Sequence
+from typing import Annotated, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from clients.update_defense import UpdateDefense, check_fraction
+from clients.update_defense import Fraction, UpdateDefense
 from fedsim.defense import Defense, DefenseContext, register
+from fedsim.params import OneOf, Range
 
 SCOPES = ("global", "layer")
 
@@ -68,10 +69,7 @@ def magnitude_masks(tensors: Sequence[torch.Tensor], ratio: float, scope: str = 
     return out
 
 
-def _check_scope(scope: str) -> str:
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {list(SCOPES)}, got {scope!r}")
-    return scope
+Scope = Annotated[str, OneOf(*SCOPES)]
 
 
 class _MagnitudePrune(UpdateDefense):
@@ -107,10 +105,8 @@ class Prune(_MagnitudePrune):
 
     name = "prune"
 
-    def __init__(self, ratio: float, scope: str = "global", include_buffers: bool = False):
-        self.ratio = check_fraction("ratio", ratio)
-        self.scope = _check_scope(scope)
-        self.include_buffers = bool(include_buffers)
+    def __init__(self, ratio: Fraction, scope: Scope = "global", include_buffers: bool = False):
+        self.ratio, self.scope, self.include_buffers = float(ratio), scope, bool(include_buffers)
 
 
 @register
@@ -120,9 +116,8 @@ class PLD(_MagnitudePrune):
 
     name = "pld"
 
-    def __init__(self, ratio: float, layers: Sequence[str] | str | None = None, scope: str = "global"):
-        self.ratio = check_fraction("ratio", ratio)
-        self.scope = _check_scope(scope)
+    def __init__(self, ratio: Fraction, layers: Sequence[str] | str | None = None, scope: Scope = "global"):
+        self.ratio, self.scope = float(ratio), scope
         if isinstance(layers, str):
             layers = [layers]
         if layers is not None and (not layers or not all(isinstance(p, str) for p in layers)):
@@ -169,10 +164,8 @@ class Compress(UpdateDefense):
     name = "compress"
     PREFIX = "residual."
 
-    def __init__(self, ratio: float, scope: str = "global", include_buffers: bool = False):
-        self.ratio = check_fraction("ratio", ratio)
-        self.scope = _check_scope(scope)
-        self.include_buffers = bool(include_buffers)
+    def __init__(self, ratio: Fraction, scope: Scope = "global", include_buffers: bool = False):
+        self.ratio, self.scope, self.include_buffers = float(ratio), scope, bool(include_buffers)
 
     def transform_update(self, update: list[torch.Tensor], ctx: DefenseContext) -> list[torch.Tensor]:
         sel = self.targets(ctx, len(update))
@@ -220,8 +213,8 @@ class GradDropout(Defense):
 
     name = "grad-dropout"
 
-    def __init__(self, p: float, rescale: bool = False):
-        self.p = check_fraction("p", p, upper_open=True)
+    def __init__(self, p: Annotated[float, Range(0, 1, open_high=True)], rescale: bool = False):
+        self.p = float(p)
         self.rescale = bool(rescale)
         self._dropped = self._total = 0
 

@@ -1,11 +1,14 @@
 """The base of the defenses that act on the outgoing update (``transform_update`` stage: noise, clipping,
 pruning, compression) and the helpers they share: which entries of the state-dict-ordered update are
-parameters, floating buffers or integer buffers, and the check of a fraction parameter."""
+parameters, floating buffers or integer buffers, and the constraint of a fraction parameter (``Fraction``)."""
 from __future__ import annotations
+
+from typing import Annotated
 
 from torch import nn
 
 from fedsim.defense import Defense, DefenseContext
+from fedsim.params import Range
 
 PARAM, BUFFER, INT = "param", "buffer", "int"
 
@@ -52,8 +55,5 @@ class UpdateDefense(Defense):
         return [kinds.get(k, guess_kind(k)) in allowed for k in names]
 
 
-def check_fraction(name: str, value: float, *, upper_open: bool = False) -> float:
-    value = float(value)
-    if not (0.0 <= value < 1.0 if upper_open else 0.0 <= value <= 1.0):
-        raise ValueError(f"{name} must be in [0, 1{')' if upper_open else ']'}, got {value}")
-    return value
+# a share of the update's entries, as a constraint for a defense's signature (``ratio: Fraction``)
+Fraction = Annotated[float, Range(0, 1)]

@@ -73,32 +73,14 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
                           f"{channel.name!r} does not give the server (its own bounds apply: docs/failures.md)")
     for where, component in [("strategy", rule), ("channel", channel),
                              *((f"transforms[{i}]", t) for i, t in enumerate(transforms))]:
-        try:
-            component.validate_config(cfg)  # checks that need the rest of the config
-        except ConfigError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(f"{where} ({component.name}): {exc}") from exc
+        _validate(where, component, cfg)  # checks that need the rest of the config
     defenses = client_pipeline(cfg, transforms)
     for i, d in enumerate(defenses.defenses):
-        try:
-            d.validate_config(cfg)
-        except ConfigError:
-            raise
-        except ValueError as exc:
-            raise ConfigError(f"defenses[{i}] ({d.name}): {exc}") from exc
+        _validate(f"defenses[{i}]", d, cfg)
     mods = FLOWER_MODS.build_list(cfg["client"]["flower_mods"], "client.flower_mods")
     for i, mod in enumerate(mods):  # a mod may check the rest of the config (e.g. the strategy it belongs to)
-        check = getattr(mod, "validate_config", None)
-        if callable(check):
-            try:
-                check(cfg)
-            except ConfigError:
-                raise
-            except ValueError as exc:
-                entry = cfg["client"]["flower_mods"][i]
-                raise ConfigError(f"client.flower_mods[{i}] ({entry.get('name') if isinstance(entry, Mapping) else entry}): "
-                                  f"{exc}") from exc
+        entry = cfg["client"]["flower_mods"][i]
+        _validate(f"client.flower_mods[{i}]", mod, cfg, entry.get("name") if isinstance(entry, Mapping) else entry)
     from fedsim.privacy import build_ledger
 
     try:
@@ -110,9 +92,28 @@ def build_components(cfg: Mapping[str, Any]) -> dict[str, Any]:
     observers = OBSERVERS.build_list(cfg["output"]["observers"], "output.observers", cfg=cfg)
     implied = [e for d in defenses.defenses for e in d.server_observers()]
     observers += OBSERVERS.build_list(implied, "observers implied by the defenses", cfg=cfg)
+    checked = [(f"output.observers[{i}]" if i < len(cfg["output"]["observers"]) else
+                "observers implied by the defenses", o) for i, o in enumerate(observers)]
     if cfg.get("attack"):  # [attack] configures the curious server (validated even when enabled = false)
         curious = OBSERVERS.build_named(CURIOUS_SERVER, cfg["attack"], "attack", cfg=cfg)
+        checked.append(("attack", curious))  # its attacks' own checks (Attack.validate_config)
         if cfg["attack"].get("enabled", True) is not False:
             observers.append(curious)
+    for where, obs in checked:
+        _validate(where, obs, cfg)
     return {"rule": rule, "channel": channel, "transforms": transforms, "defenses": defenses,
             "flower_mods": mods, "observers": observers, "privacy": privacy}
+
+
+def _validate(where: str, component: Any, cfg: Mapping[str, Any], name: Any = None) -> None:
+    """A component's checks against the rest of the config (``validate_config``, the hook every component
+    has); a ValueError becomes a ConfigError naming ``where`` and the component."""
+    check = getattr(component, "validate_config", None)
+    if not callable(check):
+        return
+    try:
+        check(cfg)
+    except ConfigError:
+        raise
+    except ValueError as exc:
+        raise ConfigError(f"{where} ({getattr(component, 'name', name) if name is None else name}): {exc}") from exc

@@ -219,6 +219,7 @@ def resume_blocker(channel: Any, rule: Any, transforms: Sequence[Any], observers
     the channel must save it in its own form (``checkpoint_arrays``, e.g. ciphertexts), a
     channel with a setup exchange must restore its state (``load_state``), and every component and
     observer must report its state (``state()`` returning a dict; an observer's default is None)."""
+    from fedsim.lifecycle import resume_problem
     from fedsim.seams import PLAINTEXT_AGGREGATE, ServerChannel
 
     if PLAINTEXT_AGGREGATE not in type(channel).provides and \
@@ -230,10 +231,7 @@ def resume_blocker(channel: Any, rule: Any, transforms: Sequence[Any], observers
         return f"channel {channel.name!r} has a setup exchange but no load_state() to restore it"
     for kind, comp in (("strategy", rule), ("channel", channel), *(("transform", t) for t in transforms),
                        *(("observer", o) for o in observers)):
-        try:
-            st = comp.state()
-        except NotImplementedError:
-            st = None
-        if not isinstance(st, dict):
-            return f"{kind} {getattr(comp, 'name', type(comp).__name__)!r} cannot report its state (state())"
+        problem = resume_problem(comp)  # state() fails closed (fedsim.lifecycle.Component)
+        if problem:
+            return f"{kind} {getattr(comp, 'name', type(comp).__name__)!r} cannot be checkpointed: {problem}"
     return None

@@ -29,17 +29,14 @@ import types
 import typing
 from typing import Any, Callable, Mapping, Sequence
 
-
-class ConfigError(ValueError):
-    """A config value is missing, unknown or out of range; the message names the key."""
-
+from fedsim.params import ConfigError, check_constraints, split
 
 _EMPTY = inspect.Parameter.empty
 
 
 def _hints(func: Callable) -> dict[str, Any]:
     try:
-        return typing.get_type_hints(func)
+        return typing.get_type_hints(func, include_extras=True)  # keeps Annotated constraints
     except Exception:  # noqa: BLE001 - an unresolvable annotation only disables type checks
         return {}
 
@@ -97,7 +94,15 @@ _NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 
 
 def check_value(key: str, value: Any, annotation: Any) -> None:
-    """Type check of one parameter against a scalar annotation; numbers must be finite."""
+    """The one check of a parameter's value against its declaration: the type (scalar annotations;
+    numbers must be finite), then the constraints of ``Annotated[T, Range(...), OneOf(...), ...]``
+    (:mod:`fedsim.params`). Every error is a one-line :class:`ConfigError` naming ``key``."""
+    annotation, constraints = split(annotation)
+    _check_type(key, value, annotation)
+    check_constraints(key, value, constraints)
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> None:
     spec = _scalar_types(annotation)
     if spec is None:
         bad = _non_finite(value)

@@ -13,107 +13,102 @@ from __future__ import annotations
 import copy
 import math
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from fedsim import build
 from fedsim.components import ConfigError, missing_plugin_file
 from fedsim.config_checks import check_data, check_gpus, check_model_and_data, check_simulation
+from fedsim.params import Constraint, OneOf, Range, check_constraints
 
 
-@dataclass(frozen=True)
 class Field:
-    type: type | tuple[type, ...]
-    default: Any = None
-    choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None
-    min: float | None = None
-    max: float | None = None
-    nullable: bool = False
-    above_min: bool = False  # the value must be strictly greater than ``min``
-    help: str = ""
+    """One fixed key of the schema: its type, default, and the constraints on its value - the same
+    objects (:mod:`fedsim.params`) components use in their signatures, checked by the same function."""
 
-    def allowed(self) -> Sequence[Any] | None:
-        return self.choices() if callable(self.choices) else self.choices
+    def __init__(self, type: type | tuple[type, ...], default: Any = None, *constraints: Constraint,
+                 nullable: bool = False, help: str = ""):
+        self.type, self.default, self.constraints = type, default, tuple(constraints)
+        self.nullable, self.help = nullable, help
 
 
 NUM = (int, float)
 
 SCHEMA: dict[str, Field] = {
     "name": Field(str, "run", help="run name (prefix of the run folder)"),
-    "seed": Field(int, 0, min=0, help="fixes partitions, initial weights, client sampling, local shuffles"),
+    "seed": Field(int, 0, Range(0), help="fixes partitions, initial weights, client sampling, local shuffles"),
     "device": Field(str, "auto", help="auto (CUDA when present) | cpu | cuda | cuda:N"),
-    "federation.rounds": Field(int, 5, min=1),
-    "federation.num_clients": Field(int, 10, min=1),
-    "federation.clients_per_round": Field(int, 0, min=0, help="0 = all clients every round"),
-    "federation.round_timeout": Field(NUM, 3600.0, min=1.0, help="seconds a round waits for its replies; "
+    "federation.rounds": Field(int, 5, Range(1)),
+    "federation.num_clients": Field(int, 10, Range(1)),
+    "federation.clients_per_round": Field(int, 0, Range(0), help="0 = all clients every round"),
+    "federation.round_timeout": Field(NUM, 3600.0, Range(1.0), help="seconds a round waits for its replies; "
                                       "clients that have not answered by then are recorded as failed"),
-    "federation.max_examples": Field(int, None, nullable=True, min=1,
+    "federation.max_examples": Field(int, None, Range(1), nullable=True,
                                      help="the largest example count (num-examples) a client's reply may report; "
                                      "a reply above it, or below 1, is that client's failure (unset: the "
                                      "training set's size)"),
-    "federation.max_update_norm": Field(NUM, None, nullable=True, min=0, above_min=True,
+    "federation.max_update_norm": Field(NUM, None, Range(0, open_low=True), nullable=True,
                                         help="robustness: a reply whose update (its model minus the model it was "
                                         "sent) has a larger L2 norm is that client's failure (unset: no bound; "
                                         "needs a channel that shows the server each model, e.g. plain)"),
     "data.dataset": Field(str, "fmnist-small", help="a built-in dataset, or your own: a registered name or an "
                           "import reference 'module:function' / 'path/file.py:function' (docs/plugins.md)"),
     "data.params": Field(dict, {}, help="keyword parameters of your own dataset function"),
-    "data.partition": Field(str, "iid", choices=("iid", "dirichlet", "pathological", "natural"),
+    "data.partition": Field(str, "iid", OneOf("iid", "dirichlet", "pathological", "natural"),
                             help="natural: one source per client (datasets with sources, e.g. synthetic-2d, "
                             "or data.styles)"),
     "data.styles": Field(list, [], help="feature shift: the images drawn in one style per source, e.g. "
                          "[\"plain\", \"inverted\"] (with partition = \"natural\": one style per client); "
                          "styles: plain, inverted, rotated, low-contrast, blurred, thick"),
-    "data.alpha": Field(NUM, 0.5, min=1e-6, help="Dirichlet concentration"),
-    "data.classes_per_client": Field(int, 2, min=1, help="pathological: classes per client"),
-    "data.min_per_class": Field(int, 10, min=1, help="pathological: fewest samples per class"),
-    "data.max_per_class": Field(int, 50, min=1, help="pathological: most samples per class"),
-    "data.root_size": Field(int, 100, min=1, help="public root split held out from client data"),
-    "data.val_fraction": Field(NUM, 0.0, min=0.0, max=0.9, help="share of each client's data held out as its "
+    "data.alpha": Field(NUM, 0.5, Range(1e-6), help="Dirichlet concentration"),
+    "data.classes_per_client": Field(int, 2, Range(1), help="pathological: classes per client"),
+    "data.min_per_class": Field(int, 10, Range(1), help="pathological: fewest samples per class"),
+    "data.max_per_class": Field(int, 50, Range(1), help="pathological: most samples per class"),
+    "data.root_size": Field(int, 100, Range(1), help="public root split held out from client data"),
+    "data.val_fraction": Field(NUM, 0.0, Range(0.0, 0.9), help="share of each client's data held out as its "
                                "local validation split (FedBoosting's cross-validation); 0 = none"),
     "data.data_dir": Field(str, None, nullable=True, help="folder with dataset files"),
     "data.download": Field(bool, False, help="let torchvision download (needs internet)"),
     "model.name": Field(str, "lenet", help="a built-in model, or your own: a registered name or an import "
                         "reference 'module:Class' / 'path/file.py:build' (docs/plugins.md)"),
     "model.params": Field(dict, {}, help="keyword parameters of your own model"),
-    "model.activation": Field(str, None, nullable=True, choices=("sigmoid", "tanh", "relu", "leakyrelu")),
-    "model.norm": Field(str, None, nullable=True, choices=("none", "batch")),
-    "model.init": Field(str, "default", choices=("default", "uniform")),
-    "model.width": Field(int, None, nullable=True, min=1),
+    "model.activation": Field(str, None, OneOf("sigmoid", "tanh", "relu", "leakyrelu"), nullable=True),
+    "model.norm": Field(str, None, OneOf("none", "batch"), nullable=True),
+    "model.init": Field(str, "default", OneOf("default", "uniform")),
+    "model.width": Field(int, None, Range(1), nullable=True),
     "model.hidden": Field(list, None, nullable=True),
-    "model.imprint_bins": Field(int, 0, min=0, help="MALICIOUS-server scenario (Robbing the Fed): an imprint "
+    "model.imprint_bins": Field(int, 0, Range(0), help="MALICIOUS-server scenario (Robbing the Fed): an imprint "
                                 "block of this many bins in front of the model (0 = none); see [[transforms]] "
                                 "robbing-imprint"),
-    "train.lr": Field(NUM, 0.1, min=1e-12),
-    "train.batch_size": Field(int, 32, min=1),
-    "train.local_steps": Field(int, None, nullable=True, min=1, help="SGD steps per round (FedSGD: 1)"),
-    "train.local_epochs": Field(int, None, nullable=True, min=1, help="local passes over the data"),
-    "train.loss": Field(str, "cross-entropy", choices=("cross-entropy", "mse"),
+    "train.lr": Field(NUM, 0.1, Range(1e-12)),
+    "train.batch_size": Field(int, 32, Range(1)),
+    "train.local_steps": Field(int, None, Range(1), nullable=True, help="SGD steps per round (FedSGD: 1)"),
+    "train.local_epochs": Field(int, None, Range(1), nullable=True, help="local passes over the data"),
+    "train.loss": Field(str, "cross-entropy", OneOf("cross-entropy", "mse"),
                         help="local training loss (mse: on one-hot targets)"),
-    "train.momentum": Field(NUM, 0.0, min=0.0, help="local SGD momentum in [0, 1) (0: plain SGD)"),
-    "train.weight_decay": Field(NUM, 0.0, min=0.0, help="local L2 weight decay"),
-    "train.lr_schedule": Field(str, "constant", choices=("constant", "step", "exponential", "cosine"),
+    "train.momentum": Field(NUM, 0.0, Range(0, 1, open_high=True), help="local SGD momentum (0: plain SGD)"),
+    "train.weight_decay": Field(NUM, 0.0, Range(0.0), help="local L2 weight decay"),
+    "train.lr_schedule": Field(str, "constant", OneOf("constant", "step", "exponential", "cosine"),
                                help="the clients' learning rate over rounds"),
-    "train.lr_gamma": Field(NUM, 0.5, min=1e-12, max=1.0, help="step/exponential: factor per step/round"),
-    "train.lr_step_rounds": Field(int, 10, min=1, help="step: rounds between two decays"),
-    "train.lr_min": Field(NUM, 0.0, min=0.0, help="cosine: the rate in the last round"),
-    "evaluate.client_fraction": Field(NUM, 0.0, min=0.0, max=1.0,
+    "train.lr_gamma": Field(NUM, 0.5, Range(1e-12, 1.0), help="step/exponential: factor per step/round"),
+    "train.lr_step_rounds": Field(int, 10, Range(1), help="step: rounds between two decays"),
+    "train.lr_min": Field(NUM, 0.0, Range(0.0), help="cosine: the rate in the last round"),
+    "evaluate.client_fraction": Field(NUM, 0.0, Range(0.0, 1.0),
                                       help="client-side evaluation: share of the clients that evaluate the "
                                       "global model on their own data after every round (0: off)"),
     "strategy.name": Field(str, "fedavg", help="aggregation rule (+ its parameters in [strategy])"),
     "channel.name": Field(str, "plain", help="how models travel (+ its parameters in [channel])"),
-    "simulation.backend": Field(str, "ray", choices=("ray", "inprocess"),
+    "simulation.backend": Field(str, "ray", OneOf("ray", "inprocess"),
                                 help="ray: Flower's simulation engine; inprocess: in-process grid (tests)"),
-    "simulation.num_cpus": Field(int, 1, min=1, help="CPUs per client actor"),
-    "simulation.clients_per_node": Field(int, 1, min=1, help="virtual clients (partitions) each simulated "
+    "simulation.num_cpus": Field(int, 1, Range(1), help="CPUs per client actor"),
+    "simulation.clients_per_node": Field(int, 1, Range(1), help="virtual clients (partitions) each simulated "
                                          "node serves; >1 cuts Flower's per-message cost at scale"),
-    "simulation.discovery_timeout": Field(NUM, 120.0, min=0, above_min=True,
+    "simulation.discovery_timeout": Field(NUM, 120.0, Range(0, open_low=True),
                                           help="seconds the server waits for every client node to register "
                                           "before the run fails naming how many did"),
-    "simulation.num_gpus": Field(NUM, 0.0, min=0.0, help="GPUs per client actor (fractions allowed)"),
+    "simulation.num_gpus": Field(NUM, 0.0, Range(0.0), help="GPUs per client actor (fractions allowed)"),
     "simulation.ray_address": Field(str, None, nullable=True, help="join an existing Ray cluster"),
-    "simulation.threads": Field(int, 1, min=0, help="torch threads of the fedsim process (server, attacks, "
+    "simulation.threads": Field(int, 1, Range(0), help="torch threads of the fedsim process (server, attacks, "
                                 "in-process clients); 0 = torch's default (all cores)"),
     "client.flower_mods": Field(list, [], help="Flower client mods wrapping local training, e.g. local-dp"),
     "output.dir": Field(str, "runs", help="parent folder of run folders"),
@@ -250,15 +245,9 @@ def _check_field(key: str, f: Field, v: Any) -> None:
     ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in types)
     if not ok:
         raise ConfigError(f"{key} must be {_typename(f.type)}, got {v!r} ({type(v).__name__})")
-    choices = f.allowed()
-    if choices is not None and v not in choices:
-        raise ConfigError(f"{key} must be one of {list(choices)}, got {v!r}")
     if isinstance(v, float) and not math.isfinite(v):
         raise ConfigError(f"{key} must be a finite number, got {v!r}")
-    if f.min is not None and (v <= f.min if f.above_min else v < f.min):
-        raise ConfigError(f"{key} must be {'>' if f.above_min else '>='} {f.min}, got {v!r}")
-    if f.max is not None and v > f.max:
-        raise ConfigError(f"{key} must be <= {f.max}, got {v!r}")
+    check_constraints(key, v, f.constraints)  # the components' constraint objects and check (fedsim.params)
 
 
 def _typename(t: type | tuple[type, ...]) -> str:
@@ -307,8 +296,6 @@ def precheck(cfg: dict[str, Any]) -> None:
         raise ConfigError(f"data.styles must be a list of style names, got {data['styles']!r}")
     if cfg["model"]["hidden"] is not None and not all(isinstance(h, int) and h > 0 for h in cfg["model"]["hidden"]):
         raise ConfigError(f"model.hidden must be a list of positive integers, got {cfg['model']['hidden']!r}")
-    if not train["momentum"] < 1:
-        raise ConfigError(f"train.momentum must be in [0, 1), got {train['momentum']!r}")
     for section in LIST_SECTIONS:
         if not isinstance(cfg.get(section, []), list) or not all(isinstance(d, dict) for d in cfg.get(section, [])):
             raise ConfigError(f"{section} must be a list of tables ([[{section}]] with name = ...)")

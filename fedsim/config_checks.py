@@ -1,13 +1,12 @@
 """The checks of a config against what it names: the data it loads and partitions, the model and
-dataset it builds (built-in or a user's own, :mod:`fedsim.components`), and whether the configured
-attacks can reconstruct that data; and the resources a Ray run asks of this machine (CPUs, GPUs).
+dataset it builds (built-in or a user's own, :mod:`fedsim.components`); and the resources a Ray run asks of this machine (CPUs, GPUs).
 :func:`fedsim.config.precheck` / :func:`fedsim.config.validate` run them; every problem is a
 :class:`ConfigError` naming the key."""
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 from fedsim.components import ConfigError
 
@@ -31,7 +30,7 @@ def check_data(cfg: Mapping[str, Any], require_available: bool = True) -> None:
         return
     except ValueError as exc:  # root_size and other dataset parameters
         raise ConfigError(str(exc)) from None
-    problem = attack_data_problem(cfg, ds.in_shape) or model_problem(cfg) or attack_model_problem(cfg)
+    problem = model_problem(cfg)  # (what the attacks need of the data and model: Attack.validate_config)
     if problem:
         raise ConfigError(problem)
     try:
@@ -92,62 +91,6 @@ def _model_problem(text: str) -> str | None:
         return (f"model.name {name!r}: its forward on {len(x)} inputs of shape {tuple(x.shape[1:])} returned "
                 f"{got}; fedsim needs logits of shape (batch, num_classes) = {want}")
     return None
-
-
-def _attack_names(attack: Mapping[str, Any]) -> list[Any]:
-    name = attack.get("name", "dlg")
-    return [name] if isinstance(name, str) else list(name)
-
-
-def attack_model_problem(cfg: Mapping[str, Any]) -> str | None:
-    """An attack of ``[attack]`` that cannot attack this model (``Attack.model_problem``: e.g. ``ig-bn``'s
-    BatchNorm prior on a model without BatchNorm), found before anything trains; the message names
-    ``attack.name``, or None."""
-    import torch
-
-    from fedsim.components import ATTACKS
-    from fedsim.factories import model_for
-
-    attack = cfg.get("attack") or {}
-    if not attack or attack.get("enabled", True) is False:
-        return None
-    params = attack.get("params") or {}
-    attacks = [(n, ATTACKS.build_named(n, params.get(n) or {}, f"attack.params.{n}", name_where="attack.name"))
-               for n in _attack_names(attack)]
-    checks = [(n, a.model_problem) for n, a in attacks if callable(getattr(a, "model_problem", None))]
-    if not checks:
-        return None
-    with torch.random.fork_rng(devices=[]):
-        model = model_for(cfg)
-    for n, check in checks:
-        problem = check(model)
-        if problem:
-            return f"attack.name {n!r}: {problem}"
-    return None
-
-
-def attack_data_problem(cfg: Mapping[str, Any], in_shape: Sequence[int]) -> str | None:
-    """Records (tabular data, inputs (F,)) can be attacked only by the attacks that reconstruct them
-    (``supports_records``); the message naming ``attack.name``, or None."""
-    from fedsim.components import ATTACKS
-
-    attack = cfg.get("attack") or {}
-    if len(in_shape) == 3 or not attack or attack.get("enabled", True) is False:
-        return None
-    names = _attack_names(attack)
-
-    def for_records(n: str) -> bool:
-        try:
-            return bool(getattr(ATTACKS.lookup(n, "attack.name"), "supports_records", False))
-        except ConfigError:
-            return True  # an unknown name is reported by the attack's own validation
-
-    images_only = [n for n in names if not for_records(n)]
-    if not images_only:
-        return None
-    ok = sorted(n for n in ATTACKS.names() if for_records(n))
-    return (f"attack.name {images_only}: reconstructs images (C, H, W) only; data.dataset = "
-            f"{cfg['data']['dataset']!r} has records of {tuple(in_shape)} features (attacks for records: {ok})")
 
 
 def check_model_and_data(cfg: Mapping[str, Any]) -> None:

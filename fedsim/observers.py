@@ -16,6 +16,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedsim.components import OBSERVERS
+from fedsim.lifecycle import Component
 
 
 def _frozen(arrays: Sequence[np.ndarray]) -> tuple[np.ndarray, ...]:
@@ -100,13 +101,13 @@ class ClientUpdate:
         return [w - g for w, g in zip(self.weights, self.global_weights)]
 
 
-class Observer:
+class Observer(Component):
     """Base class: override what you need. Called in the server process, in round order.
 
     Observers are plugins: register a subclass in :data:`fedsim.components.OBSERVERS` (with a ``name``)
-    and list it in ``output.observers``."""
-
-    name: str = ""
+    and list it in ``output.observers``. The lifecycle - ``validate_config``, ``setup``, ``state`` /
+    ``load_state`` (failing closed: an observer that keeps nothing across rounds declares
+    ``stateless = True``, else the run writes no checkpoint) - is the components' (:class:`fedsim.lifecycle.Component`)."""
 
     def on_start(self, out_dir: Path | None) -> None:  # before round 1
         pass
@@ -129,15 +130,9 @@ class Observer:
     def report_markdown(self) -> str:  # a section appended to report.md
         return ""
 
-    def state(self) -> dict[str, Any] | None:
-        """What the observer has gathered so far, for the run's checkpoint (arrays, numbers, strings,
-        lists, dicts), or None (the default): the observer cannot be checkpointed, and a run that uses it
-        writes no checkpoint. Observers that keep nothing across rounds return ``{}``."""
-        return None
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state` when a run resumes (called after ``on_start``, so the observer knows
-        its folder and may bring its files back to the checkpointed round)."""
+    # state() / load_state(): what the observer has gathered so far, for the run's checkpoint (restored
+    # after ``on_start``, so the observer knows its folder and may bring its files back to the
+    # checkpointed round); see Component
 
 
 OBSERVERS.base = Observer  # an import reference in output.observers must name an Observer

@@ -122,8 +122,10 @@ class RoundEngine:
         self.node_partitions: dict[int, list[int]] = {}
         self.partition_node: dict[int, int] = {}
         self.failures: list[dict[str, Any]] = []
-        for c in (channel, rule, *self.transforms):
-            c.setup(self.param_names, cfg)
+        for c in (channel, rule, *self.transforms, *self.observers):
+            setup = getattr(c, "setup", None)  # (an observer need not be a Component)
+            if setup is not None:
+                setup(self.param_names, cfg)
 
     # ---- discovery ---------------------------------------------------------------------------------
     WARMUP_QUERIES = 8  # discovery asks this many nodes before the others (see discover)

@@ -28,6 +28,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid
 
 from fedsim.components import CHANNELS, STRATEGIES, TRANSFORMS, ConfigError
+from fedsim.lifecycle import Component
 from fedsim.protocol import ARRAYS, CLIENT_ID_KEYS, TRAIN, arrays_record, decode_arrays
 from fedsim.replies import Arrays, ChannelError, ModelSpec, Reply, ReplyCheck, ReplyChecker
 
@@ -118,7 +119,7 @@ class RoundContext:
 
 
 # ============================================================================= aggregation rules
-class AggregationRule:
+class AggregationRule(Component):
     """How the round's client contributions become the next global model."""
 
     name: ClassVar[str] = ""
@@ -128,12 +129,6 @@ class AggregationRule:
     #: client moves it by at most its weight times its update's norm, the sensitivity central DP calibrates
     #: its noise to (strategies/dp.py); other rules get no formal guarantee from it
     example_weighted_mean: ClassVar[bool] = False
-
-    def validate_config(self, cfg: Mapping[str, Any]) -> None:
-        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
-
-    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
-        """Called once before round 1."""
 
     def configure_train(self, server_round: int, config: dict[str, Any]) -> None:
         """Add rule-specific keys to the round's train config (e.g. FedProx's proximal term)."""
@@ -148,23 +143,11 @@ class AggregationRule:
         """The next global state (in the channel's representation) from the round's valid replies."""
         raise NotImplementedError
 
-    def metrics(self) -> dict[str, float]:
-        """What the rule did this round (logged in metrics.jsonl under ``strategy.<key>``)."""
-        return {}
-
     def privacy(self, cfg: Mapping[str, Any]) -> list[Any]:
         """The differential privacy the rule gives, as :class:`fedsim.privacy.Mechanism` entries (central DP:
         ``strategies/dp.py``). Default: none."""
         return []
 
-    def state(self) -> dict[str, Any]:
-        """What this component carries from one round to the next, for checkpoints: a dict of arrays,
-        numbers, strings, lists and dicts. Default: nothing (stateless). A component whose behaviour in
-        round t+1 depends on what it saw in round t must return it here, or resumed runs differ."""
-        return {}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state` returned (resuming a run after ``setup``)."""
 
 
 class WeightedSumRule(AggregationRule):
@@ -182,18 +165,12 @@ class WeightedSumRule(AggregationRule):
 
 
 # ============================================================================= server transforms
-class ServerTransform:
+class ServerTransform(Component):
     """Wrapped around the aggregation rule: ``before_send`` in config order, ``after_aggregate`` in
     reverse order (the first transform is the outermost)."""
 
     name: ClassVar[str] = ""
     requires: ClassVar[frozenset[str]] = frozenset({PLAINTEXT_AGGREGATE})
-
-    def validate_config(self, cfg: Mapping[str, Any]) -> None:
-        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
-
-    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
-        """Called once before round 1."""
 
     def before_send(self, server_round: int, arrays: Arrays) -> Arrays:
         """The model the clients receive this round (default: unchanged)."""
@@ -219,22 +196,10 @@ class ServerTransform:
         """The next global model from the rule's aggregate (default: unchanged)."""
         return aggregate
 
-    def metrics(self) -> dict[str, float]:
-        """What the transform did this round (logged as ``<name>.<key>``)."""
-        return {}
-
-    def state(self) -> dict[str, Any]:
-        """What this component carries from one round to the next, for checkpoints: a dict of arrays,
-        numbers, strings, lists and dicts. Default: nothing (stateless). A component whose behaviour in
-        round t+1 depends on what it saw in round t must return it here, or resumed runs differ."""
-        return {}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state` returned (resuming a run after ``setup``)."""
 
 
 # ============================================================================= channels
-class ServerChannel:
+class ServerChannel(Component):
     """The server half of a channel. The global *state* is whatever the channel holds between rounds:
     plaintext arrays for the plain channel, a ciphertext for an encrypted one. A channel is one plugin:
     its server half names its client half (``client``), which the ClientApp builds from the same
@@ -247,12 +212,6 @@ class ServerChannel:
     #: sampled client failed, or a secure-aggregation protocol halted): ``"stop"`` the run with an
     #: error, or ``"continue"`` with the global model unchanged (the round is recorded as failed)
     on_round_failure: str = "stop"
-
-    def validate_config(self, cfg: Mapping[str, Any]) -> None:
-        """Checks against the rest of the config (raise ValueError); called when the config is loaded."""
-
-    def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
-        """Called once before the first exchange."""
 
     def handshake(self, ctx: RoundContext) -> None:
         """Exchanges before round 1 (key agreement, key delivery). Default: none."""
@@ -312,18 +271,8 @@ class ServerChannel:
         """What an observer may see of one reply: ``weights`` (lazy) or ``payload`` + ``kind``."""
         raise NotImplementedError
 
-    def metrics(self) -> dict[str, float]:
-        return {}
-
-    def state(self) -> dict[str, Any]:
-        """What this component carries from one round to the next, for checkpoints: a dict of arrays,
-        numbers, strings, lists and dicts. Default: nothing (stateless). A component whose behaviour in
-        round t+1 depends on what it saw in round t must return it here, or resumed runs differ."""
-        return {}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state` returned (resuming a run after ``setup``; the handshake is not repeated:
-        a channel with a setup exchange must restore its outcome here, or resuming is refused)."""
+    # load_state (Component): on resume the handshake is not repeated, so a channel with a setup
+    # exchange must restore its outcome there, or resuming is refused (fedsim.checkpoint.resume_blocker)
 
 
 class ClientChannel:
@@ -360,6 +309,7 @@ class PlainChannel(ServerChannel):
 
     name = "plain"
     provides = frozenset({INDIVIDUAL, WEIGHTED_SUM, PLAINTEXT_AGGREGATE})
+    stateless = True
 
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         self.names = list(param_names)

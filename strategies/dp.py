@@ -70,7 +70,7 @@ import contextlib
 import inspect
 import logging
 import math
-from typing import Any, ClassVar, Iterable, Iterator, Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -83,25 +83,26 @@ from flwr.serverapp.strategy import (
 )
 
 from fedsim.components import STRATEGIES, ConfigError, declared_params
+from fedsim.params import Range
 from fedsim.privacy import AGAINST_RELEASE, Mechanism
 from fedsim.protocol import ARRAYS, METRICS, arrays_record, decode_array
 from fedsim.replies import ModelSpec, Reply
 from fedsim.seams import INDIVIDUAL, PLAINTEXT_AGGREGATE, AggregationRule, RoundContext
 from fedsim.seeding import derive_seed
 
-from .flower import _check_range, _Nodes
+from .flower import _Nodes, constrained
 
 log = logging.getLogger("fedsim")
 
 # parameters fedsim sets itself: the wrapped strategy, the sample size, Flower's own accountant hook
 FIXED = frozenset({"strategy", "num_sampled_clients", "accountant"})
-RANGES: dict[str, tuple[float, bool, float, bool]] = {
-    "noise_multiplier": (0.0, True, math.inf, False),
-    "clipping_norm": (0.0, False, math.inf, False),
-    "initial_clipping_norm": (0.0, False, math.inf, False),
-    "target_clipped_quantile": (0.0, True, 1.0, True),
-    "clip_norm_lr": (0.0, False, math.inf, False),
-    "clipped_count_stddev": (0.0, True, math.inf, False),
+RANGES: dict[str, Range] = {  # limits of the wrappers' parameters (constraints of their annotations)
+    "noise_multiplier": Range(0.0, math.inf),
+    "clipping_norm": Range(0.0, math.inf, open_low=True),
+    "initial_clipping_norm": Range(0.0, math.inf, open_low=True),
+    "target_clipped_quantile": Range(0.0, 1.0),
+    "clip_norm_lr": Range(0.0, math.inf, open_low=True),
+    "clipped_count_stddev": Range(0.0, math.inf),
 }
 # the client mod (FLOWER_MODS name, clients/flower_mods.py) each client-side wrapper needs
 CLIENT_MODS = {"flwr-dp-client-fixed": "fixed-clipping", "flwr-dp-client-adaptive": "adaptive-clipping"}
@@ -179,12 +180,9 @@ class CentralDP(AggregationRule):
     server_clipping: ClassVar[bool] = True  # the wrapper clips individual updates on the server
     adaptive: ClassVar[bool] = False
 
-    def __init__(self, *, rule: dict | None = None, delta: float = 1e-5, sampling_amplification: bool = False,
-                 **params: Any):
-        for k, v in params.items():
-            _check_range(k, v, RANGES)
-        if not 0 < float(delta) < 1:
-            raise ValueError(f"strategy.delta must be in (0, 1), got {delta!r}")
+    def __init__(self, *, rule: dict | None = None,
+                 delta: Annotated[float, Range(0, 1, open_low=True, open_high=True)] = 1e-5,
+                 sampling_amplification: bool = False, **params: Any):
         entry = {"name": "fedavg"} if rule is None else rule
         if not isinstance(entry, Mapping):
             raise ConfigError('strategy.rule must be a table with a name (e.g. rule = { name = "fedavg" })')
@@ -356,8 +354,8 @@ def _metric_items(metrics: Mapping[str, Any]) -> dict[str, Any]:
 
 def wrapper_parameters(flower_class: type) -> list[inspect.Parameter]:
     """The Flower wrapper's constructor parameters a config may set."""
-    return [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in declared_params(flower_class).values()
-            if p.name not in FIXED]
+    return constrained([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in declared_params(flower_class).values()
+                        if p.name not in FIXED], RANGES)
 
 
 def dp_adapter(name: str, flower_class: type, server_clipping: bool, adaptive: bool) -> type[CentralDP]:

@@ -16,6 +16,7 @@ class FedAvg(WeightedSumRule):
     """``sum_i n_i x_i / sum_i n_i`` over the round's valid replies (``n_i``: the client's example count)."""
 
     name = "fedavg"
+    stateless = True
     requires = frozenset({EXAMPLE_WEIGHTED_MEAN})
     example_weighted_mean = True
 

@@ -140,6 +140,7 @@ class FedBoosting(WeightedSumRule):
     ``use_train_loss``)."""
 
     name = "fedboosting"
+    stateless = True  # each round's weights come from that round's replies (and (seed, round))
 
     def __init__(self, p_hat: float = 0.9, shares: str = "equal", secrets_from: str = "entropy",
                  weighting: str = "eq4.2", use_train_loss: bool = True):

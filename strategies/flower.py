@@ -52,13 +52,14 @@ import inspect
 import logging
 import math
 import random
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import strategy as flwr_strategy
 
 from fedsim.components import STRATEGIES, declared_params
+from fedsim.params import Range
 from fedsim.protocol import ARRAYS, CONFIG, METRICS, NUM_EXAMPLES, SERVER_ROUND, arrays_record, decode_array
 from fedsim.replies import Reply
 from fedsim.seams import AggregationRule, RoundContext
@@ -72,30 +73,31 @@ WIRING = ("weighted_by_key", "arrayrecord_key", "configrecord_key", "train_metri
 NOT_FORWARDED = ("eta_l",)  # FedOpt's client learning rate: fedsim's clients use train.lr
 EXCLUDED = frozenset(SAMPLING + WIRING + NOT_FORWARDED)
 
-# ranges Flower does not check: name -> (low, low inclusive, high, high inclusive)
-RANGES: dict[str, tuple[float, bool, float, bool]] = {
-    "proximal_mu": (0.0, True, math.inf, False),
-    "eta": (0.0, False, math.inf, False),
-    "tau": (0.0, False, math.inf, False),
-    "beta_1": (0.0, True, 1.0, False),
-    "beta_2": (0.0, True, 1.0, False),
-    "server_learning_rate": (0.0, False, math.inf, False),
-    "server_momentum": (0.0, True, 1.0, False),
-    "num_malicious_nodes": (0, True, math.inf, False),
-    "num_nodes_to_select": (1, True, math.inf, False),
-    "beta": (0.0, True, 0.5, False),  # FedTrimmedAvg (Flower checks it too, without naming the key)
+# limits Flower does not check, added to the declared parameters (the registry checks them, naming the key)
+INF = math.inf
+RANGES: dict[str, Range] = {
+    "proximal_mu": Range(0.0, INF),
+    "eta": Range(0.0, INF, open_low=True),
+    "tau": Range(0.0, INF, open_low=True),
+    "beta_1": Range(0.0, 1.0, open_high=True),
+    "beta_2": Range(0.0, 1.0, open_high=True),
+    "server_learning_rate": Range(0.0, INF, open_low=True),
+    "server_momentum": Range(0.0, 1.0, open_high=True),
+    "num_malicious_nodes": Range(0, INF),
+    "num_nodes_to_select": Range(1, INF),
+    "beta": Range(0.0, 0.5, open_high=True),  # FedTrimmedAvg (Flower checks it too, without naming the key)
 }
 
 
-def _check_range(key: str, value: Any, ranges: Mapping[str, tuple[float, bool, float, bool]] = RANGES) -> None:
-    if key not in ranges or value is None:
-        return
-    lo, lo_in, hi, hi_in = ranges[key]
-    ok = (value >= lo if lo_in else value > lo) and (value <= hi if hi_in else value < hi)
-    if not ok:
-        lo_s = f"{'[' if lo_in else '('}{lo:g}"
-        hi_s = "inf)" if hi == math.inf else f"{hi:g}{']' if hi_in else ')'}"
-        raise ValueError(f"strategy.{key} must be in {lo_s}, {hi_s}, got {value!r}")
+def constrained(params: list[inspect.Parameter], ranges: Mapping[str, Range]) -> list[inspect.Parameter]:
+    """Flower's parameters with fedsim's limits as constraints of their annotations (``Annotated``)."""
+    out = []
+    for p in params:
+        if p.name in ranges:
+            base = Any if p.annotation is inspect.Parameter.empty else p.annotation
+            p = p.replace(annotation=Annotated[base, ranges[p.name]])
+        out.append(p)
+    return out
 
 
 class _Nodes:
@@ -111,8 +113,6 @@ class FlowerRule(AggregationRule):
     flower_class: ClassVar[type] = flwr_strategy.FedAvg
 
     def __init__(self, **params: Any):
-        for k, v in params.items():
-            _check_range(k, v)
         wiring = {"weighted_by_key": NUM_EXAMPLES, "arrayrecord_key": ARRAYS, "configrecord_key": CONFIG}
         self.params = dict(params)
         flwr_log = logging.getLogger("flwr")
@@ -227,8 +227,8 @@ def _keep_random(fn):
 
 def flower_parameters(flower_class: type) -> list[inspect.Parameter]:
     """The Flower constructor parameters a config may set (see the module docstring)."""
-    return [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in declared_params(flower_class).values()
-            if p.name not in EXCLUDED]
+    return constrained([p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in declared_params(flower_class).values()
+                        if p.name not in EXCLUDED], RANGES)
 
 
 def adapter(name: str, flower_class: type) -> type[FlowerRule]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from torch.nn import functional as F
 from fedsim import lossless as ll
 from fedsim.components import DEFENSES, STRATEGIES, TRANSFORMS
 from fedsim.defense import Defense
+from fedsim.params import OneOf, Range
 from fedsim.protocol import (
     EXTRAS,
     LOSSLESS_GROUPS,
@@ -49,6 +50,9 @@ MODES = ("auto", "paper", "shift")
 SECRET_SOURCES = ("seed", "entropy")
 _SALT = 0x5EC2E7  # separates the secrets' stream from every other stream derived from the run's seed
 CLIENT_DEFENSE = "lossless-client"
+
+
+NoiseRange = Annotated[Sequence[float], ll.NOISE_RANGE]
 
 
 def loss_name(train_loss: str) -> str:
@@ -96,21 +100,13 @@ class LosslessPerturbation(ServerTransform):
     name = "lossless-perturbation"
     requires = frozenset({INDIVIDUAL, PLAINTEXT_AGGREGATE})  # it reads each reply's noise terms
 
-    def __init__(self, groups: int = 1, mode: str = "auto", multiplicative: Sequence[float] = (0.1, 10.0),
-                 gamma: Sequence[float] = (0.1, 10.0), additive: Sequence[float] = (0.5, 1.5),
-                 secrets_from: str = "seed", probe: int = 8):
-        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ValueError(f"groups must be an integer >= 1, got {groups!r}")
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    def __init__(self, groups: Annotated[int, Range(1)] = 1, mode: Annotated[str, OneOf(*MODES)] = "auto",
+                 multiplicative: NoiseRange = (0.1, 10.0), gamma: NoiseRange = (0.1, 10.0), additive: NoiseRange = (0.5, 1.5),
+                 secrets_from: Annotated[str, OneOf(*SECRET_SOURCES)] = "seed", probe: Annotated[int, Range(0)] = 8):
         if mode == "shift" and groups != 1:
             raise ValueError(f"groups must be 1 with mode = 'shift' (a uniform shift has one group), got {groups}")
-        if secrets_from not in SECRET_SOURCES:
-            raise ValueError(f"secrets_from must be one of {list(SECRET_SOURCES)}, got {secrets_from!r}")
-        if isinstance(probe, bool) or not isinstance(probe, int) or probe < 0:
-            raise ValueError(f"probe must be an integer >= 0, got {probe!r}")
         self.groups, self.mode, self.secrets_from, self.probe = groups, mode, secrets_from, probe
-        self.ranges = {k: ll.check_range(k, v) for k, v in
+        self.ranges = {k: (float(v[0]), float(v[1])) for k, v in
                        (("multiplicative", multiplicative), ("gamma", gamma), ("additive", additive))}
         self._true: list[ll.Layer] | None = None  # the true global model, float64
         self._returned: list[np.ndarray] | None = None  # what after_aggregate gave the engine
@@ -291,6 +287,19 @@ class LosslessPerturbation(ServerTransform):
         self._metrics = self._round_metrics(agg, grad, terms)
         self._true, self._returned = new, out
         return out
+
+    # ---- checkpoints: the float64 global model the next round perturbs ---------------------------------
+    def state(self) -> dict[str, Any]:
+        """The float64 model (``_true``) and what ``after_aggregate`` returned: without them a resumed run
+        would start the next round from the float32 model and drift from the uninterrupted run."""
+        if self._true is None or self._returned is None:
+            return {}
+        return {"true": self._arrays(self._true), "returned": [np.array(a, copy=True) for a in self._returned]}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if state:
+            self._true = self._layers([np.asarray(a, dtype=np.float64) for a in state["true"]])
+            self._returned = [np.asarray(a) for a in state["returned"]]
 
     # ---- metrics ----------------------------------------------------------------------------------------
     def _round_metrics(self, agg: ll.ClientTerms, grad: list[ll.Layer], terms: list[ll.ClientTerms]) -> dict:

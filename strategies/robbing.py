@@ -13,7 +13,7 @@ rest of the model goes on as usual.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from fedsim.models.imprint import (
     measurement_vector,
     quantile_bins,
 )
+from fedsim.params import OneOf, Range
 from fedsim.seams import ServerTransform
 from fedsim.seeding import derive_seed
 
@@ -39,12 +40,11 @@ class RobbingImprint(ServerTransform):
     ``gain`` of :func:`fedsim.models.imprint.imprint_model`)."""
 
     name = IMPRINT_TRANSFORM
+    stateless = True  # the measurement is drawn from the seed in setup
 
-    def __init__(self, measurement: str = "brightness", scale: float = 1.0, gain: float = 1e-3):
-        if measurement not in MEASUREMENTS:
-            raise ValueError(f"measurement must be one of {list(MEASUREMENTS)}, got {measurement!r}")
-        if not scale > 0 or not gain > 0:
-            raise ValueError(f"scale and gain must be > 0, got {scale}, {gain}")
+    def __init__(self, measurement: Annotated[str, OneOf(*MEASUREMENTS)] = "brightness",
+                 scale: Annotated[float, Range(0, open_low=True)] = 1.0,
+                 gain: Annotated[float, Range(0, open_low=True)] = 1e-3):
         self.measurement, self.scale, self.gain = measurement, float(scale), float(gain)
 
     def validate_config(self, cfg: Mapping[str, Any]) -> None:

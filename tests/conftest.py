@@ -225,11 +225,23 @@ def recorder() -> RecordingObserver:
     return RecordingObserver()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked `slow` (`make test-slow` runs only those, `make test-all` all)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test marked ``ray`` (a Ray
+    """Tests marked ``slow`` (full-length reproductions whose quick check is in the default suite) are
+    skipped unless ``--slow`` is given: ``make test`` (what CI runs) stays within its time budget.
+
+    With pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test marked ``ray`` (a Ray
     simulation, a Ray head, a SuperLink with SuperNodes) runs on one worker, one after another: two Ray
     clusters at once would fight over the machine's two cores and each other's start-up. The other
     worker runs the in-process tests meanwhile, much of it while the Ray tests wait on start-up."""
+    run_slow = config.getoption("--slow")
+    skip_slow = pytest.mark.skip(reason="slow: run with --slow (make test-slow / make test-all)")
     for item in items:
+        if item.get_closest_marker("slow") and not run_slow:
+            item.add_marker(skip_slow)
         if item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group("ray"))

@@ -115,6 +115,7 @@ class NaNRule(WeightedSumRule):
     """FedAvg's weights, then a NaN in the aggregate."""
 
     name = "nan-rule"
+    stateless = True
 
     def weights(self, ctx: Any, replies: list[Any]) -> list[float]:
         return [float(r.num_examples) for r in replies]

@@ -172,12 +172,16 @@ IMAGES = [0, 37, 74, 111, 148]
 
 
 def test_idlg_recovers_batch1_images():
-    """DLG with iDLG labels on the sigmoid LeNet, 300 L-BFGS steps: measured PSNR 72.5, 59.9, 79.8,
-    39.0, 77.6 dB (SSIM >= 0.99 on all); over 16 images 14 exceed 40 dB."""
+    """DLG with iDLG labels on the sigmoid LeNet, 300 L-BFGS steps, the five victims of one round (one
+    global model) attacked as one stack (``run_many``, as the curious server does; about 3x faster than
+    one by one, tests/test_attacks_strong.py checks the two agree): measured PSNR 71.0, 65.2, 75.4,
+    63.7, 67.0 dB, SSIM 1.000 on all. (One by one, each on its own global model: 72.5, 59.9, 79.8, 39.0,
+    77.6 dB; over 16 images 14 exceed 40 dB.)"""
+    victims = [make_victim([i], seed=0) for i in IMAGES]
+    results = build_attack("idlg", iterations=300).run_many([v[0] for v in victims])
+    assert [r.trace["group_size"] for r in results] == [len(IMAGES)] * len(IMAGES)
     good = 0
-    for k, i in enumerate(IMAGES):
-        inp, xb, yb, _ = make_victim([i], seed=k)
-        res = build_attack("idlg", iterations=300).run(inp)
+    for res, (_, xb, yb, _) in zip(results, victims):
         check_result(res, 1)
         sc = score(res, xb, yb)
         assert sc["label_acc"] == 1.0
@@ -188,12 +192,14 @@ def test_idlg_recovers_batch1_images():
 def test_dlg_joint_labels_recovers_most():
     """Joint soft-label DLG fails from about half of its random starts (L-BFGS without line search
     saturates the sigmoids; seed 001 reports DLG ASR 0.69 on MNIST). A new start is taken only while
-    the gradient distance has not reached 1e-4. Measured: one start 3/5 succeed; with up to 4 starts
-    SSIM >= 0.99 on 5/5 (1-3 starts used)."""
+    the gradient distance has not reached 1e-4; an attempt that reaches it ends there
+    (``stop_at_threshold``: the test's cost, 1,109 of the budget's 1,500 iterations). Measured (a budget
+    of 300 iterations shared by the starts): SSIM 0.131 (one start, never converged), 0.992, 0.998,
+    0.747 (two starts), 0.999; running on past the threshold gave 0.131, 0.999, 1.0, 0.83, 1.0."""
     good = 0
     for k, i in enumerate(IMAGES):
         inp, xb, yb, _ = make_victim([i], seed=k)
-        res = build_attack("dlg", iterations=300, restarts=4).run(inp)
+        res = build_attack("dlg", iterations=300, restarts=4, stop_at_threshold=True).run(inp)
         check_result(res, 1)
         assert res.trace["labels_mode"] == "joint" and res.trace["attempts"] <= 4
         good += score(res, xb, yb)["ssim"] > 0.9

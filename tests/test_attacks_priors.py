@@ -100,9 +100,12 @@ def test_bn_statistics_from_the_update_equal_the_victims():
 
 def test_bn_prior_with_victim_statistics_improves_inverting_gradients():
     """LeNet with BatchNorm (ReLU), batch 4, 400 iterations, the same loop with and without the prior
-    (weight 0.1). Measured MSE: without 0.068, 0.084; victim statistics 0.046, 0.032; statistics read
-    from the update 0.047, 0.035 (over 4 batches: 0.085 without, 0.035 with victim statistics)."""
-    plain, prior, upd = [], [], []
+    (weight 0.1). Measured MSE: without 0.067, 0.077; statistics read from the update (the default
+    target) 0.046, 0.033; victim statistics 0.046, 0.032 (over 4 batches: 0.085 without, 0.035 with
+    victim statistics). The victim-statistics target is run for one iteration only (its threat model
+    recorded): test_bn_statistics_from_the_update_equal_the_victims shows the two targets agree to
+    float rounding, so its reconstruction is the default's."""
+    plain, upd = [], []
     for b, start in enumerate((100, 200)):
         inp, x, y = victim(range(start, start + 4), seed=b, **BN)
         plain.append(mse_of(build_attack("ig-bn", iterations=400, bn_prior=0.0).run(inp), x, y))
@@ -110,13 +113,11 @@ def test_bn_prior_with_victim_statistics_improves_inverting_gradients():
         assert res.trace["bn_target"] == "update" and res.trace["threat_model"] == "curious"
         upd.append(mse_of(res, x, y))
         inp.bn_stats = batch_bn_stats(inp.global_model(), x)  # the threat model's grant
-        res = build_attack("ig-bn", iterations=400, bn_target="victim").run(inp)
-        assert res.trace["threat_model"] == "curious+victim_bn_stats"
-        prior.append(mse_of(res, x, y))
-    assert np.mean(prior) < 0.7 * np.mean(plain), (plain, prior)
-    assert all(p < q for p, q in zip(prior, plain)), (plain, prior)
-    assert np.mean(upd) < 0.7 * np.mean(plain), (plain, upd)  # same targets up to float rounding
-    print("bn prior MSE plain / victim / update", plain, prior, upd)
+        res = build_attack("ig-bn", iterations=1, bn_target="victim").run(inp)
+        assert res.trace["bn_target"] == "victim" and res.trace["threat_model"] == "curious+victim_bn_stats"
+    assert np.mean(upd) < 0.7 * np.mean(plain), (plain, upd)
+    assert all(p < q for p, q in zip(upd, plain)), (plain, upd)
+    print("bn prior MSE plain / update", plain, upd)
 
 
 # ------------------------------------------------------------------ seed 004
@@ -148,10 +149,10 @@ def test_feature_recovery_from_the_last_layer():
 
 def test_seed004_attack_beats_inverting_gradients_on_a_bn_model():
     """Batch 4 on the BatchNorm LeNet, the same budget of 300 iterations. Measured MSE: plain IG
-    0.088, 0.088; ig-fr (untrained U-Net prior, feature matching, BN prior from the update) 0.0083,
-    0.0092 (about 10x lower)."""
+    0.088; ig-fr (untrained U-Net prior, feature matching, BN prior from the update) 0.0083 (about 10x
+    lower; a second batch, images 200-203, measured 0.088 and 0.0092 and is left out for CI time)."""
     ig, fr = [], []
-    for b, start in enumerate((100, 200)):
+    for b, start in enumerate((100,)):
         inp, x, y = victim(range(start, start + 4), seed=b, **BN)
         ig.append(mse_of(build_attack("ig", iterations=300, lr=0.1, tv=1e-2).run(inp), x, y))
         res = build_attack("ig-fr", iterations=300).run(inp)

@@ -169,7 +169,7 @@ def test_records_are_scored_by_mse_without_image_measures(tmp_path, capsys):
     bad = tmp_path / "grnn"
     assert cli_main([*argv[:2], "grnn", *argv[3:7], "--out", str(bad)]) == 2
     err = capsys.readouterr().err
-    assert "attack.name ['grnn']: reconstructs images" in err and "'cpl'" in err and not bad.exists()
+    assert "attack.name 'grnn': reconstructs images" in err and "'cpl'" in err and not bad.exists()
 
 
 def test_oneshot_trains_the_victim_through_the_client_app(tmp_path, monkeypatch):

@@ -244,11 +244,11 @@ def test_a_plugin_failing_at_run_time_is_one_line_and_leaves_nothing_half_way(cl
     (['defenses=[{name="fedkl", key_length=100000000000}]'],
      "defenses[0] (fedkl): key_length must be an integer in [1, 65536]"),
     (['transforms=[{name="lossless-perturbation", multiplicative=[1e-300, 1e300]}]', 'model.name="mlp"',
-      'train.loss="mse"'], "transforms[0] (lossless-perturbation): multiplicative must lie in [1e-06, 1e+06]"),
+      'train.loss="mse"'], "transforms[0].multiplicative must lie in [1e-06, 1e+06]"),
     (['attack={name="ig-bn"}'], "attack.name 'ig-bn': the BatchNorm-statistics prior (bn_prior = 0.1) needs a "
                                 "model with BatchNorm layers; this model (LeNet) has none"),
     (["model.imprint_bins=16", 'attack={name="robbing"}', "data.root_size=200"],
-     "attack.name 'robbing' needs the server transform [[transforms]] name = 'robbing-imprint'"),
+     "attack.name 'robbing': it needs the server transform [[transforms]] name = 'robbing-imprint'"),
 ], ids=["paillier-key-bits-odd", "paillier-key-bits-huge", "fedkl-key-length-1e11", "lossless-range-1e300", "ig-bn-without-batchnorm", "robbing-without-imprint"])
 def test_values_the_config_decides_are_refused_when_it_is_loaded(cli, sets, expected):
     code, err = _run(cli, *sets)

@@ -157,6 +157,7 @@ def test_secrets_from_entropy_differ_between_runs_and_training_does_not(small_cf
 # ------------------------------------------------------------------------------------- config refusals
 class _MedianRule(AggregationRule):
     name = "test-median"
+    stateless = True
 
 
 class _SumOnly(PlainChannel):
@@ -175,7 +176,7 @@ class _SumOnly(PlainChannel):
     ({"train__loss": "cross-entropy", "transforms": [LOSSLESS]}, r"groups must be 1 with train.loss = 'cross-entropy'"),
     ({"transforms": [{"name": "lossless-perturbation", "groups": 11}]}, r"groups must be in \[1, 10\]"),
     ({"transforms": [{"name": "lossless-perturbation", "multiplicative": [0, 1]}]},
-     r"transforms\[0\] \(lossless-perturbation\): multiplicative must be a pair"),
+     r"transforms\[0\].multiplicative must be a pair"),
     ({"transforms": [{"name": "lossless-perturbation", "mode": "shift", "groups": 2}]}, r"groups must be 1 with mode"),
     ({"defenses": [{"name": "gaussian-noise", "variance": 1e-4}]},
      r"defenses\[0\] \(gaussian-noise\) cannot run under lossless perturbation: it changes transform_update"),

@@ -291,6 +291,7 @@ class _GlobalRng(ServerTransform):
     draw from it where a second does not.)"""
 
     name = "test-global-rng"
+    stateless = True
 
     def after_aggregate(self, ctx, aggregate):
         shift = np.random.normal(0, 1e-3) + random.gauss(0, 1e-3)
@@ -306,6 +307,25 @@ def test_resume_restores_the_global_rng_positions(tmp_path, monkeypatch):
     _interrupt_in_training(monkeypatch, 3)
     with pytest.raises(RunInterrupted):
         run_experiment(cfg, out=tmp_path / "run", progress=False)
+    monkeypatch.setattr(client_module, "local_train", client_module.local_train.__wrapped__)
+    run_experiment(cfg, out=tmp_path / "run", progress=False)
+    same_run(tmp_path / "run", ref)
+
+
+def test_lossless_perturbation_resumes_from_its_float64_model(tmp_path, monkeypatch):
+    """The transform keeps the float64 global model between rounds (its state); a resumed run must
+    continue from it, not from the float32 model of the checkpoint, to equal the uninterrupted run."""
+    cfg = load_config(None, ["federation.rounds=3", "federation.num_clients=2", "train.local_steps=1",
+                             'model.name="mlp"', 'train.loss="mse"', "train.batch_size=8",
+                             'simulation.backend="inprocess"', 'device="cpu"',
+                             'transforms=[{name="lossless-perturbation", groups=2}]'])
+    ref = run_experiment(cfg, out=tmp_path / "reference", progress=False)
+    _interrupt_in_training(monkeypatch, 3)
+    with pytest.raises(RunInterrupted):
+        run_experiment(cfg, out=tmp_path / "run", progress=False)
+    ckpt = read_checkpoint(tmp_path / "run" / CHECKPOINT)
+    (state,) = ckpt.components["transforms"]
+    assert all(np.asarray(a).dtype == np.float64 for a in state["true"])
     monkeypatch.setattr(client_module, "local_train", client_module.local_train.__wrapped__)
     run_experiment(cfg, out=tmp_path / "run", progress=False)
     same_run(tmp_path / "run", ref)

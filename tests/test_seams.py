@@ -34,6 +34,7 @@ class UniformMean(AggregationRule):
     """Test-only rule: the plain (unweighted) mean of the client models."""
 
     name = "test-uniform-mean"
+    stateless = True
 
     def aggregate(self, ctx, replies):
         ctx.weights = [1.0] * len(replies)
@@ -71,6 +72,7 @@ class SumsOnlyChannel(ServerChannel):
 
     name = "test-sums-only"
     client = ClientChannel
+    stateless = True
     provides = frozenset({WEIGHTED_SUM})
 
 
@@ -169,6 +171,7 @@ class EchoTransform(ServerTransform):
     """Test-only: sends the round number to the clients' echo defense and checks what comes back."""
 
     name = "test-echo"
+    stateless = True
 
     def message_extras(self, server_round):
         return {EXTRAS: arrays_record(["echo.x"], [np.array([float(server_round)])])}

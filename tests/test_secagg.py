@@ -251,6 +251,7 @@ class UniformMean(WeightedSumRule):
     """Test-only: a weighted-sum rule with weights other than the example counts."""
 
     name = "test-uniform"
+    stateless = True
 
     def weights(self, ctx: RoundContext, replies: list[Reply]) -> list[float]:
         return [1.0] * len(replies)

@@ -40,21 +40,6 @@ def test_ray_simulation_reaches_observers_and_learns(small_cfg, recorder, ray_tm
     assert (ray_tmp / "ray").is_dir() and any((ray_tmp / "ray").glob("session_*"))
 
 
-def test_ray_and_in_process_give_the_same_metrics_for_the_same_seed(small_cfg, tmp_path):
-    """The same seed on both backends: the same partitions, batches, sampling and aggregation order, and
-    one torch thread per client on both (the test process runs with one thread, each Ray actor too), so
-    every round's accuracy and loss agree (measured: identical)."""
-    sets = ("federation.num_clients=4", "federation.clients_per_round=3", "federation.rounds=2",
-            'data.partition="dirichlet"', "data.alpha=0.5", 'device="cpu"')
-    ray = run_experiment(small_cfg(*sets, 'simulation.backend="ray"'), out=tmp_path / "ray", progress=False)
-    inproc = run_experiment(small_cfg(*sets), out=tmp_path / "inproc", progress=False)
-    a, b = read_jsonl(ray / "metrics.jsonl"), read_jsonl(inproc / "metrics.jsonl")
-    assert [(r["round"], r["replies"]) for r in a] == [(r["round"], r["replies"]) for r in b]
-    for x, y in zip(a, b):
-        assert x["accuracy"] == pytest.approx(y["accuracy"], abs=1e-9)
-        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6)
-
-
 SWEEP = """
 name = "reuse"
 seed = 3
@@ -93,8 +78,11 @@ def test_a_sweep_starts_ray_once_and_its_runs_share_the_actors(tmp_path):
     """Every run of a sweep uses one Ray runtime, started at most once (not at all when an earlier test of
     this process left it running), and the client actors of its first run serve the others (without the
     shared runtime: one Ray start and one actor pool per run). The shared actors give every variant
-    exactly the numbers of the same variant in process (a warm actor builds the defense pipeline of the
-    config it is sent: "d" after three variants without defenses)."""
+    exactly the numbers of the same variant in process: the same seed on both backends gives the same
+    partitions (Dirichlet), batches, client sampling (variant c) and aggregation order, and one torch
+    thread per client on both, so every round's accuracy and loss agree (measured: identical). A warm
+    actor builds the defense pipeline of the config it is sent (variant d, after three without defenses).
+    (This was also a test of its own with one plain run on each backend; the sweep covers it.)"""
     from fedsim.app.ray_runtime import RUNTIME
     from fedsim.app.sweep import run_sweep
 

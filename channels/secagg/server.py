@@ -93,6 +93,7 @@ class SecAggPlusChannel(ServerChannel):
 
     name = "secagg+"
     client = SecAggPlusClientChannel
+    stateless = True  # every round runs the whole protocol afresh
     provides = frozenset({EXAMPLE_WEIGHTED_MEAN, PLAINTEXT_AGGREGATE})
 
     def __init__(self, num_shares: int | float = 3, reconstruction_threshold: int | float = 2,

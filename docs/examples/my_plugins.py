@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ from torch import nn
 from attacks.base import Attack, AttackInput, AttackResult
 from fedsim.defense import Defense, DefenseContext
 from fedsim.observers import ClientUpdate, Observer
+from fedsim.params import Range
 from fedsim.seams import WeightedSumRule
 
 
@@ -115,11 +116,10 @@ class UniformAverage(WeightedSumRule):
     every channel). ``min_examples``: clients with fewer examples are left out of the round's mean."""
 
     name = "uniform-average"
+    stateless = True  # nothing carried from one round to the next (else: state() / load_state())
 
-    def __init__(self, min_examples: int = 0):
-        if min_examples < 0:
-            raise ValueError(f"min_examples must be >= 0, got {min_examples}")
-        self.min_examples = int(min_examples)
+    def __init__(self, min_examples: Annotated[int, Range(0)] = 0):  # the limit, checked by fedsim
+        self.min_examples = min_examples
 
     def weights(self, ctx: Any, replies: list[Any]) -> list[float]:
         w = [1.0 if r.num_examples >= self.min_examples else 0.0 for r in replies]

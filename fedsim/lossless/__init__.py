@@ -84,6 +84,7 @@ from fedsim.lossless.network import (
 from fedsim.lossless.noise import (
     MAX_RANGE_RATIO,
     MODES,
+    NOISE_RANGE,
     RANGE_BOUNDS,
     PublicNoise,
     Secrets,
@@ -94,7 +95,7 @@ from fedsim.lossless.noise import (
 from fedsim.lossless.recovery import aggregate, recover
 
 __all__ = [
-    "ClientTerms", "FCSpec", "LOSSES", "Layer", "MAX_RANGE_RATIO", "MODES", "RANGE_BOUNDS", "PublicNoise", "Secrets", "aggregate",
+    "ClientTerms", "FCSpec", "LOSSES", "Layer", "MAX_RANGE_RATIO", "MODES", "NOISE_RANGE", "RANGE_BOUNDS", "PublicNoise", "Secrets", "aggregate",
     "check_range", "check_supported", "client_terms", "draw_secrets", "fc_spec", "forward", "get_layers", "layer_shapes",
     "perturb", "recover", "set_layers", "sgd_step", "true_gradients",
 ]

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fedsim.lossless.network import Layer
+from fedsim.params import ConfigError, Constraint
 
 MODES = ("paper", "shift")
 
@@ -83,19 +84,32 @@ RANGE_BOUNDS = (1e-6, 1e6)
 MAX_RANGE_RATIO = 1e6
 
 
+class NoiseRange(Constraint):
+    """A noise range ``[low, high]``: finite, positive, ``low <= high``, within :data:`RANGE_BOUNDS` and
+    ``high / low <=`` :data:`MAX_RANGE_RATIO` (the transform's signature declares it: fedsim.params)."""
+
+    def describe(self) -> str:
+        return "a pair [low, high] of finite numbers with 0 < low <= high"
+
+    def check(self, key: str, value: Any) -> None:
+        ok = (isinstance(value, (tuple, list)) and len(value) == 2
+              and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
+        if not ok or not (0 < value[0] <= value[1]):
+            raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
+        lo, hi = float(value[0]), float(value[1])
+        if lo < RANGE_BOUNDS[0] or hi > RANGE_BOUNDS[1] or hi / lo > MAX_RANGE_RATIO:
+            raise ConfigError(f"{key} must lie in [{RANGE_BOUNDS[0]:g}, {RANGE_BOUNDS[1]:g}] with high / low <= "
+                              f"{MAX_RANGE_RATIO:g} (the recovery's float64 error grows with (high / low)^2; "
+                              f"docs/lossless.md), got {value!r}")
+
+
+NOISE_RANGE = NoiseRange()
+
+
 def check_range(key: str, value: Any) -> tuple[float, float]:
-    """A noise range ``[low, high]`` as floats; ValueError naming ``key`` unless finite, positive,
-    ``low <= high``, within :data:`RANGE_BOUNDS` and ``high / low <=`` :data:`MAX_RANGE_RATIO`."""
-    ok = (isinstance(value, (tuple, list)) and len(value) == 2
-          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value))
-    if not ok or not (0 < value[0] <= value[1]):
-        raise ValueError(f"{key} must be a pair [low, high] of finite numbers with 0 < low <= high, got {value!r}")
-    lo, hi = float(value[0]), float(value[1])
-    if lo < RANGE_BOUNDS[0] or hi > RANGE_BOUNDS[1] or hi / lo > MAX_RANGE_RATIO:
-        raise ValueError(f"{key} must lie in [{RANGE_BOUNDS[0]:g}, {RANGE_BOUNDS[1]:g}] with high / low <= "
-                         f"{MAX_RANGE_RATIO:g} (the recovery's float64 error grows with (high / low)^2; "
-                         f"docs/lossless.md), got {value!r}")
-    return lo, hi
+    """A noise range as floats (:class:`NoiseRange`; the error names ``key``)."""
+    NOISE_RANGE.check(key, value)
+    return float(value[0]), float(value[1])
 
 
 def _log_uniform(n: int, lo: float, hi: float, gen: torch.Generator) -> torch.Tensor:

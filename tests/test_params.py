@@ -1,0 +1,151 @@
+"""One way to declare a component's parameters and limits (fedsim.params), presets, the attacks'
+validate_config hook, and the components' lifecycle with state() failing closed (fedsim.lifecycle.Component)."""
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import pytest
+from conftest import make_small_cfg
+
+from attacks import ATTACKS, build_attack
+from attacks.dlg import DLG
+from attacks.regularised import RegularisedInvertingGradients
+from fedsim.app.runner import run_experiment
+from fedsim.checkpoint import CHECKPOINT, resume_blocker
+from fedsim.components import STRATEGIES, ConfigError, check_value
+from fedsim.config import SCHEMA
+from fedsim.lifecycle import Component
+from fedsim.params import OneOf, Range
+from fedsim.seams import AggregationRule, PlainChannel, WeightedSumRule
+from strategies.fedavg import FedAvg
+
+
+# ----------------------------------------------------------------------------------- constraints
+@pytest.mark.parametrize("value, annotation, message", [
+    (0, Annotated[int, Range(1)], "k must be >= 1, got 0"),
+    (0.0, Annotated[float, Range(0, open_low=True)], "k must be > 0, got 0.0"),
+    (1.0, Annotated[float, Range(0, 1, open_high=True)], "k must be in [0, 1), got 1.0"),
+    (-1, Annotated[float | None, Range(0)], "k must be >= 0, got -1"),
+    ("c", Annotated[str, OneOf("a", "b")], "k must be one of ['a', 'b'], got 'c'"),
+    (True, Annotated[int, Range(1)], "k must be an integer, got True"),  # the type first, then the limits
+])
+def test_one_check_gives_one_line_naming_the_key(value, annotation, message):
+    with pytest.raises(ConfigError) as err:
+        check_value("k", value, annotation)
+    assert str(err.value) == message
+    check_value("k", None, Annotated[float | None, Range(0)])  # unset is not limited
+
+
+def test_the_schema_uses_the_same_constraint_objects():
+    assert any(isinstance(c, Range) for c in SCHEMA["federation.rounds"].constraints)
+    assert any(isinstance(c, OneOf) for c in SCHEMA["data.partition"].constraints)
+
+
+@pytest.mark.parametrize("sets, message", [
+    (["federation.rounds=0"], "federation.rounds must be >= 1, got 0"),
+    (["train.momentum=1.0"], "train.momentum must be in [0, 1), got 1.0"),  # was a hand check in validate()
+    (["federation.max_update_norm=0"], "federation.max_update_norm must be > 0, got 0"),
+    (['attack={name="grnn", params={grnn={momentum=1.0}}}'],
+     "attack.params.grnn.momentum must be in [0, 1), got 1.0"),
+    (['attack={name="cpl", params={cpl={labels="joint"}}}'],
+     "attack.params.cpl.labels must be one of ['idlg', 'known'], got 'joint'"),
+    (['defenses=[{name="prune", ratio=1.5}]'], "defenses[0].ratio must be in [0, 1], got 1.5"),
+    (['strategy={name="flwr-fedadam", eta=0.0}'], "strategy.eta must be in (0, inf), got 0.0"),
+    (['strategy={name="flwr-dp-server-fixed", noise_multiplier=1.0, clipping_norm=1.0, '
+      'rule={name="flwr-fedadam", eta=0.0}}'], "strategy.rule.eta must be in (0, inf), got 0.0"),
+])
+def test_config_limits_name_the_key(sets, message):
+    with pytest.raises(ConfigError) as err:
+        make_small_cfg(*sets)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_attack_parameters_are_checked_where_they_are_declared():
+    with pytest.raises(ConfigError, match=r"^attack\.iterations must be >= 1, got 0$"):
+        build_attack("ig", iterations=0)  # declared once (Annotated), checked once
+    with pytest.raises(ConfigError, match=r"^attack\.muted must be a list of parameter-name patterns"):
+        build_attack("ig-bn", muted=[1])
+
+
+# ----------------------------------------------------------------------------------- presets
+@pytest.mark.parametrize("name, base, defaults", [
+    ("idlg", DLG, {"labels": "idlg"}),
+    ("dlg-original", DLG, {"init": "randn", "iterations": 6000, "restarts": 1, "patience": 6000}),
+    ("ig-fr", RegularisedInvertingGradients, {"features": 0.1, "image_prior": True, "prior_width": 8,
+                                              "prior_depth": 1}),
+])
+def test_presets_are_their_base_with_other_defaults(name, base, defaults):
+    cls = ATTACKS[name]
+    assert cls.preset_of is base and cls.preset_defaults == defaults
+    params, base_params = ATTACKS.params(cls), ATTACKS.params(base)
+    assert list(params) == list(base_params)  # the same parameters, declared once (in the base)
+    for k, p in params.items():
+        assert p.default == defaults.get(k, base_params[k].default)
+        assert p.annotation == base_params[k].annotation  # ... with the same constraints
+    attack = build_attack(name)
+    assert type(attack).name == name and isinstance(attack, base)
+    assert all(getattr(attack, k) == v for k, v in defaults.items())
+    assert build_attack(name, restarts=3).restarts == 3  # every parameter can still be set
+    with pytest.raises(ConfigError, match=r"attack\.restarts must be >= 1"):
+        build_attack(name, restarts=0)
+
+
+def test_ig_fr_keeps_its_switch():
+    assert ATTACKS["ig-fr"].require_bn is False and ATTACKS["ig-bn"].require_bn is True
+    assert "preset_of" not in vars(ATTACKS["cpl"])  # CPL adds a regulariser: a subclass, not a preset
+
+
+# ----------------------------------------------------------------------------------- attacks' validate_config
+def test_an_attack_refuses_a_config_it_cannot_attack():
+    cfg = make_small_cfg()
+    with pytest.raises(ValueError, match="model.imprint_bins"):
+        build_attack("robbing").validate_config(cfg)
+    with pytest.raises(ValueError, match="robbing-imprint"):
+        build_attack("robbing").validate_config({**cfg, "model": {**cfg["model"], "imprint_bins": 16}})
+    with pytest.raises(ConfigError) as err:
+        make_small_cfg('attack={name="robbing"}')
+    assert str(err.value).startswith("attack.name 'robbing': ") and "model.imprint_bins" in str(err.value)
+
+
+# ----------------------------------------------------------------------------------- lifecycle: state() fails closed
+class _Counting(WeightedSumRule):
+    """A user's rule whose weights depend on earlier rounds but that forgot state()."""
+
+    name = "test-counting"
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def weights(self, ctx, replies):
+        self.seen += len(replies)
+        return [float(self.seen + i) for i in range(len(replies))]
+
+
+class _HalfDone(_Counting):
+    name = "test-half-done"
+
+    def state(self):
+        return {"seen": self.seen}  # ... but no load_state()
+
+
+def test_state_fails_closed():
+    assert issubclass(AggregationRule, Component)
+    with pytest.raises(NotImplementedError, match="stateless = True"):
+        _Counting().state()
+    assert FedAvg().state() == {} and PlainChannel().state() == {}  # built-ins say they are stateless
+    assert resume_blocker(PlainChannel(), FedAvg(), [], []) is None
+    assert "strategy 'test-counting' cannot be checkpointed" in resume_blocker(PlainChannel(), _Counting(), [], [])
+    half = _HalfDone()
+    half.seen = 3
+    assert "no load_state()" in resume_blocker(PlainChannel(), half, [], [])
+
+
+def test_a_rule_that_forgot_state_writes_no_checkpoint_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setitem(STRATEGIES, _Counting.name, _Counting)
+    cfg = make_small_cfg("federation.rounds=1", "federation.num_clients=2", strategy={"name": "test-counting"})
+    out = tmp_path / "run"
+    run_experiment(cfg, out=out, progress=False)
+    summary = json.loads((out / "summary.json").read_text())
+    assert "strategy 'test-counting' cannot be checkpointed" in summary["checkpoint"]
+    assert not (out / CHECKPOINT).exists()
