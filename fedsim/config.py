@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from fedsim import build
-from fedsim.components import ConfigError, missing_plugin_file
+from fedsim.components import ConfigError
 from fedsim.config_checks import check_data, check_gpus, check_model_and_data, check_simulation
 from fedsim.params import Constraint, OneOf, Range, check_constraints
+from fedsim.references import missing_plugin_file
 
 
 class Field:
@@ -387,7 +388,7 @@ def absolute_references(cfg: dict[str, Any], base: str | None = None) -> None:
     """Make every plugin file reference in ``cfg`` absolute (relative paths are taken from ``base``,
     default the working directory), so that processes started elsewhere (Ray workers, ``flwr run``'s
     ServerApp) import the same files. Called by :func:`load_config` before validation."""
-    from fedsim.components import absolute_reference as ab
+    from fedsim.references import absolute_reference as ab
 
     for _, holder, k in _name_slots(cfg):
         holder[k] = ab(holder[k], base)

@@ -79,7 +79,8 @@ def check_cells(cells: Any, where: str) -> list[dict[str, Any]]:
 def check_figures(figures: Any, where: str, base: str | None = None) -> list[dict[str, str]]:
     """``[[report.figures]]``: ``{title, draw}``; ``draw`` must import (a file reference is made absolute
     against ``base``, the experiment file's folder)."""
-    from fedsim.components import FIGURES, absolute_reference, is_reference
+    from fedsim.components import FIGURES
+    from fedsim.references import absolute_reference, is_reference
 
     if not isinstance(figures, list):
         raise ConfigError(f"{where} must be a list of {{title = ..., draw = 'module:function'}} tables")

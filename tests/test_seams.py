@@ -284,7 +284,8 @@ def test_a_channel_given_by_import_reference_runs_both_halves(small_cfg, tmp_pat
     models cross the wire negated; a client using the plain half instead would train on the negated model),
     and the run equals the plain channel's bit for bit. A channel that names no client half is refused at
     config load, naming the key."""
-    from fedsim.components import ConfigError, resolve_reference
+    from fedsim.components import ConfigError
+    from fedsim.references import resolve_reference
 
     plugin = tmp_path / "negated_channel.py"
     plugin.write_text(NEGATED_CHANNEL)

@@ -414,7 +414,7 @@ def load_dataset(name: str, data_dir: str | None = None, download: bool = False,
         import json
 
         from fedsim.components import DATASETS as PLUGINS
-        from fedsim.components import is_reference
+        from fedsim.references import is_reference
 
         if name not in PLUGINS and not is_reference(name):
             raise ValueError(f"data.dataset must be one of {PLUGINS.names()} or an "

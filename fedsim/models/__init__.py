@@ -242,7 +242,8 @@ def build_plugin_model(name: str, in_shape: Sequence[int], num_classes: int,
     (``"mypkg.models:SmallCNN"``, ``"path/to/file.py:build"``) to an ``nn.Module`` subclass or a
     function returning one. It receives ``in_shape`` and ``num_classes`` when it declares them, and
     ``[model] params`` (validated against its keyword parameters)."""
-    from fedsim.components import MODELS, is_reference
+    from fedsim.components import MODELS
+    from fedsim.references import is_reference
 
     if name not in MODELS.names() and not is_reference(name):
         raise ValueError(f"model.name must be one of {MODELS.names()} or an import "
