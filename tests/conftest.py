@@ -61,6 +61,16 @@ def quiet_logs() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def pytest_configure(config):
+    """A shell's background job (``cmd &``, nohup) starts with SIGINT ignored, which its children inherit
+    across exec. The tests send Ctrl-C to this process and to fedsim subprocesses as a user would at a
+    terminal, so they run with Python's usual SIGINT handler (children then start with the default)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_env(tmp_path_factory: pytest.TempPathFactory):
     """Ray temp files and Flower's home under the session's pytest temp folder; quiet logs.
