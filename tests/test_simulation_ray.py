@@ -68,6 +68,10 @@ train = { lr = 0.1 }
 [[variants]]
 label = "c"
 federation = { clients_per_round = 2 }
+[[variants]]
+label = "d"
+defenses = [{ name = "gaussian-noise", sigma = 0.001 }]
+transforms = [{ name = "mp-compensation" }]
 """
 
 
@@ -78,7 +82,10 @@ def test_a_sweep_starts_ray_once_and_its_runs_share_the_actors(tmp_path):
     exactly the numbers of the same variant in process: the same seed on both backends gives the same
     partitions (Dirichlet), batches, client sampling (variant c) and aggregation order, and one torch
     thread per client on both, so every round's accuracy and loss agree (measured: identical). (This
-    was also a test of its own with one plain run on each backend; the sweep covers it.)"""
+    was also a test of its own with one plain run on each backend; the sweep covers it.) Variant d is the
+    compensation family's Ray run (seed 000's global update compensation, strategies/compensation.py): the
+    clients' noise variances reach the server transform through Ray's messages and it compensates every
+    round, as in process."""
     from fedsim.app.ray_runtime import RUNTIME
     from fedsim.app.sweep import run_sweep
 
@@ -87,12 +94,16 @@ def test_a_sweep_starts_ray_once_and_its_runs_share_the_actors(tmp_path):
     starts, actors = RUNTIME.ray_starts, RUNTIME.actor_starts
     ray = run_sweep(path, out=tmp_path / "ray", progress=False)
     assert RUNTIME.ray_starts - starts <= 1
-    assert RUNTIME.actor_starts - actors <= (os.cpu_count() or 1)  # one pool (1 CPU per actor), not three
+    assert RUNTIME.actor_starts - actors <= (os.cpu_count() or 1)  # one pool (1 CPU per actor), not four
     inproc = run_sweep(path, ['simulation.backend="inprocess"'], out=tmp_path / "inproc", progress=False)
-    for name in ("00-a", "01-b", "02-c"):
+    names = ("00-a", "01-b", "02-c", "03-d")
+    for name in names:
         a, b = read_jsonl(ray / name / "metrics.jsonl"), read_jsonl(inproc / name / "metrics.jsonl")
         assert [(r["round"], r["replies"], r["failures"]) for r in a] == [(r["round"], r["replies"], 0) for r in b]
         assert [r["accuracy"] for r in a] == pytest.approx([r["accuracy"] for r in b], abs=1e-9)
         assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
-    losses = {read_jsonl(ray / n / "metrics.jsonl")[-1]["loss"] for n in ("00-a", "01-b", "02-c")}
-    assert len(losses) == 3  # the variants differ: actors answering with a stale config would show it
+    losses = {read_jsonl(ray / n / "metrics.jsonl")[-1]["loss"] for n in names}
+    assert len(losses) == 4  # the variants differ: actors answering with a stale config would show it
+    comp = read_jsonl(ray / "03-d" / "metrics.jsonl")[1:]  # compensated each round from the declared variance
+    assert all(0.001 ** 2 / 3 * (1 - 1e-9) <= r["mp-compensation.variance"] <= 0.001 ** 2 for r in comp)  # sum p_i^2 s^2
+    assert all(1 <= r["mp-compensation.kept"] < r["mp-compensation.w"] for r in comp)
