@@ -207,10 +207,13 @@ def test_dlg_joint_labels_recovers_most():
 
 
 def test_dlg_batch4_recognisable():
-    """Batch 4, joint labels, 800 L-BFGS steps: measured mean matched SSIM 0.85 and 0.87 on these two
-    batches (0.97 and 0.51 on two others); the threshold 0.6 on the mean is far above failure (~0.1)."""
+    """Batch 4, joint labels, 800 L-BFGS steps: measured mean matched SSIM 0.85 on this batch (0.87,
+    0.97 and 0.51 on three others; each batch is attacked on its own with its own seed, so the result
+    does not depend on the others); the threshold 0.6 is far above failure (~0.1). One batch, not two,
+    keeps CI time down (the second cost as much again); benchmarks/attack_strength.py (``--batches 4
+    --attacks dlg``) measures DLG's success rate at batch 4 over many batches."""
     ssims = []
-    for b, start in enumerate((100, 104)):
+    for b, start in enumerate((100,)):
         inp, xb, yb, _ = make_victim(range(start, start + 4), seed=b)
         res = build_attack("dlg", iterations=800).run(inp)
         check_result(res, 4)
@@ -322,13 +325,14 @@ def test_cpl_dlg_ig_reconstruct_records_on_an_mlp():
 # ------------------------------------------------------------------ Inverting Gradients
 def test_inverting_gradients_fedavg_multistep():
     """Three local SGD steps (lr 0.05) of one image on a ReLU LeNet (PyTorch default init).
-    FedAvg-aware IG, 400 Adam steps: measured SSIM 0.94, 0.80, 0.86; matching the same update as one
-    averaged gradient: 0.51, 0.39, 0.45. The 8-layer ConvNet is not used here: with PyTorch's default
+    FedAvg-aware IG, 400 Adam steps: measured SSIM 0.94, 0.80 (and 0.86 on image 113); matching the
+    same update as one averaged gradient: 0.51, 0.39 (0.45). Two images, not three, keep CI time down
+    (each victim has its own seed, so dropping one changes nothing for the others). The 8-layer ConvNet is not used here: with PyTorch's default
     init and no normalisation its early-layer gradients vanish (the cosine between the gradients of
     the true image and of noise is 0.999), and with BatchNorm or He init IG needs far more than a
     CPU test's budget of iterations."""
     aware, plain = [], []
-    for k, i in enumerate([7, 60, 113]):
+    for k, i in enumerate([7, 60]):
         inp, xb, yb, _ = make_victim([i], model="lenet", init="default", activation="relu", lr=0.05, steps=3,
                                      seed=k)
         res = build_attack("ig", iterations=400, fedavg_aware=True).run(inp)
