@@ -240,15 +240,18 @@ def test_dlg_original_is_a_preset_of_dlg():
 # ------------------------------------------------------------------ CPL
 def test_cpl_patterned_converges_faster_than_random_dlg():
     """Iterations to reach gradient distance 1e-4 (not converged = the 300 cap), averaged over
-    5 images. Measured: CPL 122 (104-149); DLG with its original N(0, 1) init and the same inferred
-    labels 178; DLG defaults (U(0, 1) init, joint labels) 192. (DLG with U(0, 1) init and inferred
-    labels needs 118: on this model the patterned init gains over N(0, 1) noise, not over U(0, 1).)"""
+    3 images. Measured per image (CPL / DLG with its original N(0, 1) init and the same inferred labels /
+    DLG defaults, U(0, 1) init and joint labels): 123/300/300, 129/140/193, 101/131/111, means 118 / 190 /
+    201 (ratios 0.62 and 0.58 against the asserted 0.85). Two more images (164, 217) gave 105/147/186 and
+    146/202/169 and the same direction over all five (121 / 184 / 192); they were dropped to keep CI time
+    down. (DLG with U(0, 1) init and inferred labels needs 118 over five: on this model the patterned init
+    gains over N(0, 1) noise, not over U(0, 1).)"""
     cap = 300
     # seed 001's CPL and the DLG it is compared with: the defaults before the strongest-attack study
     # (stop at the 1e-4 threshold, alpha 0.01, one start of at most 300 iterations)
     old = {"iterations": cap, "restarts": 1, "patience": None}
     cpl_its, dlg_same_labels, dlg_default = [], [], []
-    for k, i in enumerate([5, 58, 111, 164, 217]):
+    for k, i in enumerate([5, 58, 111]):
         inp, xb, yb, _ = make_victim([i], seed=k)
         res = build_attack("cpl", stop_at_threshold=True, alpha=0.01, **old).run(inp)
         check_result(res, 1)
