@@ -207,10 +207,13 @@ def test_dlg_joint_labels_recovers_most():
 
 
 def test_dlg_batch4_recognisable():
-    """Batch 4, joint labels, 800 L-BFGS steps: measured mean matched SSIM 0.85 and 0.87 on these two
-    batches (0.97 and 0.51 on two others); the threshold 0.6 on the mean is far above failure (~0.1)."""
+    """Batch 4, joint labels, 800 L-BFGS steps: measured mean matched SSIM 0.85 on this batch (0.87,
+    0.97 and 0.51 on three others; each batch is attacked on its own with its own seed, so the result
+    does not depend on the others); the threshold 0.6 is far above failure (~0.1). One batch, not two,
+    keeps CI time down (the second cost as much again); benchmarks/attack_strength.py (``--batches 4
+    --attacks dlg``) measures DLG's success rate at batch 4 over many batches."""
     ssims = []
-    for b, start in enumerate((100, 104)):
+    for b, start in enumerate((100,)):
         inp, xb, yb, _ = make_victim(range(start, start + 4), seed=b)
         res = build_attack("dlg", iterations=800).run(inp)
         check_result(res, 4)
@@ -237,15 +240,18 @@ def test_dlg_original_is_a_preset_of_dlg():
 # ------------------------------------------------------------------ CPL
 def test_cpl_patterned_converges_faster_than_random_dlg():
     """Iterations to reach gradient distance 1e-4 (not converged = the 300 cap), averaged over
-    5 images. Measured: CPL 122 (104-149); DLG with its original N(0, 1) init and the same inferred
-    labels 178; DLG defaults (U(0, 1) init, joint labels) 192. (DLG with U(0, 1) init and inferred
-    labels needs 118: on this model the patterned init gains over N(0, 1) noise, not over U(0, 1).)"""
+    3 images. Measured per image (CPL / DLG with its original N(0, 1) init and the same inferred labels /
+    DLG defaults, U(0, 1) init and joint labels): 123/300/300, 129/140/193, 101/131/111, means 118 / 190 /
+    201 (ratios 0.62 and 0.58 against the asserted 0.85). Two more images (164, 217) gave 105/147/186 and
+    146/202/169 and the same direction over all five (121 / 184 / 192); they were dropped to keep CI time
+    down. (DLG with U(0, 1) init and inferred labels needs 118 over five: on this model the patterned init
+    gains over N(0, 1) noise, not over U(0, 1).)"""
     cap = 300
     # seed 001's CPL and the DLG it is compared with: the defaults before the strongest-attack study
     # (stop at the 1e-4 threshold, alpha 0.01, one start of at most 300 iterations)
     old = {"iterations": cap, "restarts": 1, "patience": None}
     cpl_its, dlg_same_labels, dlg_default = [], [], []
-    for k, i in enumerate([5, 58, 111, 164, 217]):
+    for k, i in enumerate([5, 58, 111]):
         inp, xb, yb, _ = make_victim([i], seed=k)
         res = build_attack("cpl", stop_at_threshold=True, alpha=0.01, **old).run(inp)
         check_result(res, 1)
@@ -322,13 +328,14 @@ def test_cpl_dlg_ig_reconstruct_records_on_an_mlp():
 # ------------------------------------------------------------------ Inverting Gradients
 def test_inverting_gradients_fedavg_multistep():
     """Three local SGD steps (lr 0.05) of one image on a ReLU LeNet (PyTorch default init).
-    FedAvg-aware IG, 400 Adam steps: measured SSIM 0.94, 0.80, 0.86; matching the same update as one
-    averaged gradient: 0.51, 0.39, 0.45. The 8-layer ConvNet is not used here: with PyTorch's default
+    FedAvg-aware IG, 400 Adam steps: measured SSIM 0.94, 0.80 (and 0.86 on image 113); matching the
+    same update as one averaged gradient: 0.51, 0.39 (0.45). Two images, not three, keep CI time down
+    (each victim has its own seed, so dropping one changes nothing for the others). The 8-layer ConvNet is not used here: with PyTorch's default
     init and no normalisation its early-layer gradients vanish (the cosine between the gradients of
     the true image and of noise is 0.999), and with BatchNorm or He init IG needs far more than a
     CPU test's budget of iterations."""
     aware, plain = [], []
-    for k, i in enumerate([7, 60, 113]):
+    for k, i in enumerate([7, 60]):
         inp, xb, yb, _ = make_victim([i], model="lenet", init="default", activation="relu", lr=0.05, steps=3,
                                      seed=k)
         res = build_attack("ig", iterations=400, fedavg_aware=True).run(inp)

@@ -70,7 +70,8 @@ label = "c"
 federation = { clients_per_round = 2 }
 [[variants]]
 label = "d"
-defenses = [{ name = "compress", ratio = 0.5 }]
+defenses = [{ name = "gaussian-noise", sigma = 0.001 }]
+transforms = [{ name = "mp-compensation" }]
 """
 
 
@@ -80,9 +81,12 @@ def test_a_sweep_starts_ray_once_and_its_runs_share_the_actors(tmp_path):
     shared runtime: one Ray start and one actor pool per run). The shared actors give every variant
     exactly the numbers of the same variant in process: the same seed on both backends gives the same
     partitions (Dirichlet), batches, client sampling (variant c) and aggregation order, and one torch
-    thread per client on both, so every round's accuracy and loss agree (measured: identical). A warm
-    actor builds the defense pipeline of the config it is sent (variant d, after three without defenses).
-    (This was also a test of its own with one plain run on each backend; the sweep covers it.)"""
+    thread per client on both, so every round's accuracy and loss agree (measured: identical). (This
+    was also a test of its own with one plain run on each backend; the sweep covers it.) Variant d is the
+    compensation family's Ray run (seed 000's global update compensation, strategies/compensation.py): the
+    clients' noise variances reach the server transform through Ray's messages and it compensates every
+    round, as in process. A warm actor builds the defense pipeline of the config it is sent (variant d's
+    noise, after three variants without defenses)."""
     from fedsim.app.ray_runtime import RUNTIME
     from fedsim.app.sweep import run_sweep
 
@@ -91,12 +95,16 @@ def test_a_sweep_starts_ray_once_and_its_runs_share_the_actors(tmp_path):
     starts, actors = RUNTIME.ray_starts, RUNTIME.actor_starts
     ray = run_sweep(path, out=tmp_path / "ray", progress=False)
     assert RUNTIME.ray_starts - starts <= 1
-    assert RUNTIME.actor_starts - actors <= (os.cpu_count() or 1)  # one pool (1 CPU per actor), not three
+    assert RUNTIME.actor_starts - actors <= (os.cpu_count() or 1)  # one pool (1 CPU per actor), not four
     inproc = run_sweep(path, ['simulation.backend="inprocess"'], out=tmp_path / "inproc", progress=False)
-    for name in ("00-a", "01-b", "02-c", "03-d"):
+    names = ("00-a", "01-b", "02-c", "03-d")
+    for name in names:
         a, b = read_jsonl(ray / name / "metrics.jsonl"), read_jsonl(inproc / name / "metrics.jsonl")
         assert [(r["round"], r["replies"], r["failures"]) for r in a] == [(r["round"], r["replies"], 0) for r in b]
         assert [r["accuracy"] for r in a] == pytest.approx([r["accuracy"] for r in b], abs=1e-9)
         assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6)
-    losses = {read_jsonl(ray / n / "metrics.jsonl")[-1]["loss"] for n in ("00-a", "01-b", "02-c", "03-d")}
+    losses = {read_jsonl(ray / n / "metrics.jsonl")[-1]["loss"] for n in names}
     assert len(losses) == 4  # the variants differ: actors answering with a stale config would show it
+    comp = read_jsonl(ray / "03-d" / "metrics.jsonl")[1:]  # compensated each round from the declared variance
+    assert all(0.001 ** 2 / 3 * (1 - 1e-9) <= r["mp-compensation.variance"] <= 0.001 ** 2 for r in comp)  # sum p_i^2 s^2
+    assert all(1 <= r["mp-compensation.kept"] < r["mp-compensation.w"] for r in comp)
