@@ -237,10 +237,10 @@ def test_a_fedkl_round_on_resnet20_returns_no_lock(small_cfg, monkeypatch):
     holds exactly the base ResNet-20's entries, the locked first BatchNorm's affine entries come back
     unchanged (no client trains them) while the first convolution trains, and the key is in the
     client's Context. (The server evaluates on 64 test images only, to keep it cheap.)"""
-    from fedsim.app import server as server_mod
+    from fedsim.app import evaluation as server_eval  # the server's round-end evaluation
 
-    full_eval = server_mod.evaluate
-    monkeypatch.setattr(server_mod, "evaluate", lambda m, x, y, device="cpu": full_eval(m, x[:64], y[:64], device))
+    full_eval = server_eval.evaluate
+    monkeypatch.setattr(server_eval, "evaluate", lambda m, x, y, device="cpu": full_eval(m, x[:64], y[:64], device))
     cfg = small_cfg('model.name="resnet20"', "federation.num_clients=1", "federation.rounds=1",
                     "train.local_steps=2", "train.batch_size=4",
                     defenses=[{"name": "fedkl", "evaluate": "none", "key_length": 64}])
