@@ -285,7 +285,7 @@ def plugin_file(tmp_path):
     return d / "my_plugins.py"
 
 
-def test_own_model_dataset_defense_rule_observer_and_attack_from_a_file_through_config_alone(
+def test_own_model_dataset_defense_rule_transform_observer_and_attack_from_a_file_through_config_alone(
         tmp_path, plugin_file, monkeypatch):
     """docs/examples/my_plugins.py, copied outside the package, plugs into a run by config alone
     (relative references, resolved against the working directory)."""
@@ -310,14 +310,17 @@ def test_own_model_dataset_defense_rule_observer_and_attack_from_a_file_through_
     assert [tuple(v.shape) for v in sd.values()][0] == (6, 1, 3, 3)  # channels = 6 from model.params
     # the defense ran on every client: at most 8 distinct values per parameter tensor of each update
     assert rows[1]["defense.0.quantize-update.quantized_tensors"] == 6.0
-    # the rule: round 2's global model is the unweighted mean of round 1's client models
+    # the rule and the transform: round 2's global model moves half-way (ServerStep, step 0.5) from
+    # round 1's global model to the unweighted mean of round 1's client models (UniformAverage)
     rec = RecordingObserver()
     cfg2 = json.loads(json.dumps(cfg))
     cfg2["federation"]["rounds"] = 2
+    cfg2["transforms"] = [{"name": f"{plugin_file}:ServerStep", "step": 0.5}]
     run_inprocess(cfg2, tmp_path / "run2", [rec])
     r1 = sorted(rec.by_round()[1], key=lambda u: u.client_id)
     assert len({u.num_examples for u in r1}) > 1  # unequal clients: a weighted mean would differ
-    want = sum(flat(u.weights) for u in r1) / len(r1)
+    g1 = flat(r1[0].global_weights)
+    want = g1 + 0.5 * (sum(flat(u.weights) for u in r1) / len(r1) - g1)
     np.testing.assert_allclose(flat(rec.by_round()[2][0].global_weights), want, atol=1e-6)
     for u in r1:
         for d, name in zip(u.delta(), u.param_names):

@@ -8,11 +8,12 @@ Every name below is plugged into a run by config alone, with an import reference
 * ``stripes`` - a dataset (``data.dataset``; parameters in ``[data] params``);
 * ``QuantizeUpdate`` - a client defense (``[[defenses]]``);
 * ``UniformAverage`` - an aggregation rule (``[strategy]``);
+* ``ServerStep`` - a server transform (``[[transforms]]``): a server learning rate;
 * ``RoundLog`` - an observer (``output.observers``);
 * ``GrayBaseline`` - an attack for the curious server (``[attack] name``): the leakage a
   reconstruction-free guess scores, the floor every real attack should beat.
 
-tests/test_ecosystem.py runs a federation with all six from a copy of this file.
+tests/test_ecosystem.py runs a federation with all seven from a copy of this file.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from attacks.base import Attack, AttackInput, AttackResult
 from fedsim.defense import Defense, DefenseContext
 from fedsim.observers import ClientUpdate, Observer
 from fedsim.params import Range
-from fedsim.seams import WeightedSumRule
+from fedsim.seams import ServerTransform, WeightedSumRule
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -124,6 +125,29 @@ class UniformAverage(WeightedSumRule):
     def weights(self, ctx: Any, replies: list[Any]) -> list[float]:
         w = [1.0 if r.num_examples >= self.min_examples else 0.0 for r in replies]
         return w if any(w) else [1.0] * len(replies)
+
+
+# ------------------------------------------------------------------------------------ server transform
+class ServerStep(ServerTransform):
+    """A server learning rate: the new global model moves only ``step`` of the way from the model the
+    server sent to the clients' aggregate (``step = 1``: the aggregate itself)."""
+
+    name = "server-step"
+    stateless = True  # the sent model is taken anew in every round's before_send
+
+    def __init__(self, step: Annotated[float, Range(0, 1, open_low=True)] = 1.0):
+        self.step = step
+        self.sent: list[np.ndarray] | None = None
+
+    def before_send(self, server_round: int, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        self.sent = [np.array(a, copy=True) for a in arrays]
+        return arrays
+
+    def after_aggregate(self, ctx: Any, aggregate: list[np.ndarray]) -> list[np.ndarray]:
+        if self.sent is None:
+            return aggregate
+        return [s + self.step * (a - s) if np.issubdtype(a.dtype, np.floating) else a
+                for s, a in zip(self.sent, aggregate)]
 
 
 # -------------------------------------------------------------------------------------------- observer
