@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-import fedsim.app.server
+import fedsim.app.runner
 from fedsim.app.runner import run_experiment
 from fedsim.compensation import aggregate_noise_variance, compensate_with_info, matrix_shape
 from fedsim.config import ConfigError
@@ -48,11 +48,12 @@ COMP_EF = 'transforms=[{name="mp-compensation", feedback=true}]'
 
 
 class _Capture:
-    """Wraps the server's ``build_components`` to keep the compensation transform a run builds."""
+    """Wraps the runner's ``build_components`` (a run builds its components once, there) to keep the
+    compensation transform the run uses."""
 
     def __init__(self) -> None:
         self.transforms: list = []
-        self._orig = fedsim.app.server.build_components
+        self._orig = fedsim.app.runner.build_components
 
     def __call__(self, *a, **kw):
         parts = self._orig(*a, **kw)
@@ -260,7 +261,7 @@ def test_error_feedback_carries_what_compensation_removed(tmp_path, recorder):
                 COMP_EF, defenses=[{**LRP, "sigma": 0.5}], output__dir=str(tmp_path))
     cap = _Capture()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(fedsim.app.server, "build_components", cap)
+        mp.setattr(fedsim.app.runner, "build_components", cap)
         run_dir = run_experiment(cfg, out=tmp_path / "run", observers=[recorder], progress=False)
     transform = cap.transforms[-1]
     rows = _rows(run_dir)
