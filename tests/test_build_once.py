@@ -103,3 +103,15 @@ def test_the_client_app_builds_its_channel_and_mods_once_per_config(tmp_path, mo
     assert (channels, mods) == ([cfg["seed"]], [1])
     run_experiment({**cfg, "seed": cfg["seed"] + 1}, out=tmp_path / "run2", progress=False, components=components)
     assert (channels, mods) == ([cfg["seed"], cfg["seed"] + 1], [1, 1])  # another config: built for it
+
+
+def test_the_client_app_travels_by_reference():
+    """Flower's Ray backend pickles the app (in a loader closure) with every message: it must arrive as the
+    actor's own module-level app, not a copy of its handlers rebuilt per message."""
+    import cloudpickle
+
+    from fedsim.app.client import client_app
+
+    payload = cloudpickle.dumps(lambda: client_app)
+    assert cloudpickle.loads(payload)() is client_app
+    assert len(payload) < 2000  # by value: ~14 kB of handlers and closures
