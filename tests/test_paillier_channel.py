@@ -78,18 +78,21 @@ def _keys(grid, partition=0):
     return public, private_key_from_bytes(st["paillier-private"], public)
 
 
-def _codec(grid, server, clip):
-    """The test's god view: a codec holding client 0's copy of the private key, at ``clip``."""
+def _codec(grid, server, clip, max_total_weight=None):
+    """The test's god view: a codec holding client 0's copy of the private key, at ``clip`` (and the layout of
+    ``max_total_weight``, default the channel's largest)."""
     public, private = _keys(grid)
     ch = server.engine.channel
-    return PaillierCodec(public, Quantizer(bits=ch.quantizer.bits, clip=clip), ch.max_total_weight(server.cfg),
-                         private_key=private, packed=ch.packed, slots=ch.slots)
+    return PaillierCodec(public, Quantizer(bits=ch.quantizer.bits, clip=clip),
+                         max_total_weight or ch.max_total_weight(server.cfg), private_key=private, packed=ch.packed,
+                         slots=ch.slots)
 
 
 def _decrypt_head(grid, server, state):
     """The round's decrypted combination (flat float64): the aggregate update, or the model (encrypt = model)."""
-    clip = parse_header(state.head).clip
-    return _codec(grid, server, clip).decode(state.head, [(server.engine.channel.num_values,)])[0], clip
+    h = parse_header(state.head)
+    codec = _codec(grid, server, h.clip, h.max_total_weight)
+    return codec.decode(state.head, [(server.engine.channel.num_values,)])[0], h.clip
 
 
 def _global_model(grid, server, state):
@@ -263,6 +266,36 @@ def test_the_aggregate_sent_ahead_leaves_the_models_as_they_were_and_lightens_th
         np.testing.assert_array_equal(a, b)
     timing = lambda row: {k: v for k, v in row.items() if "seconds" not in k and "obfuscators" not in k}  # noqa: E731
     assert [timing(r) for r in server.rows] == [timing(r) for r in runs["false"][1].rows]
+
+
+def test_the_layout_follows_the_rounds_total_weight_and_decodes_the_same(small_cfg):
+    """``round_layout``: under FedAvg the clip exchange announces the round's total weight (the example counts
+    over their gcd), the clients pack at it - more values per ciphertext - and every client holds the same
+    global model, bit for bit, as with the channel's largest total weight (the same exact integer sums);
+    the server refuses weights above the announced total before combining."""
+    from fedsim.protocol import CHANNEL_SETUP, CONFIG, ROUND_WEIGHT, STAGE
+
+    runs = {}
+    for on in ("true", "false"):
+        cfg = small_cfg(*TABULAR, "federation.rounds=2", *paillier(f"channel.round_layout={on}"))
+        runs[on] = grid, server, state, summary = _run_inprocess(cfg)
+        assert summary["client_failures"] == 0
+    grid, server, state, _ = runs["true"]
+    announced = [int(m.content[CHANNEL][ROUND_WEIGHT]) for m in grid.messages_sent
+                 if m.metadata.message_type == CHANNEL_SETUP and m.content[CONFIG].get(STAGE) == "encrypt"]
+    ch = server.engine.channel
+    assert len(announced) == 2 * 4 and all(1 <= w <= ch.precision for w in announced)
+    # the total of the weights the round combined with (every client aggregated) is what was announced
+    assert [server.rows[r]["channel.total_weight"] for r in (1, 2)] == [announced[0], announced[-1]]
+    h, h_off = parse_header(state.head), parse_header(runs["false"][2].head)
+    assert h.max_total_weight == announced[-1] < h_off.max_total_weight == ch.max_total_weight(server.cfg)
+    assert h.slots > h_off.slots and h.num_ciphertexts < h_off.num_ciphertexts
+    assert server.rows[2]["channel.values_per_ciphertext"] == h.slots
+    for a, b in zip(_global_model(grid, server, state), _global_model(*runs["false"][:3])):
+        np.testing.assert_array_equal(a, b)
+    ch._mtw = 3  # a rule whose weights exceed the announced total: a clear refusal, not a wrong decode
+    with pytest.raises(RuntimeError, match="largest total weight 3"):
+        ch.weighted_mean([], [2.0, 3.0])
 
 
 def test_packed_and_per_element_decrypt_to_the_same_aggregate(small_cfg):

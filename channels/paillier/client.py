@@ -60,6 +60,7 @@ from fedsim.protocol import (
     PAYLOAD,
     PAYLOADS,
     RANGE_EXPONENT,
+    ROUND_WEIGHT,
     ROUNDS,
     STATE_CHANNEL_MODEL,
     STATE_CHANNEL_PENDING,
@@ -196,7 +197,11 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
         num = sum(int(np.asarray(template[k]).size) for k in floating)
 
         def mean(payload: bytes) -> np.ndarray:
-            codec = self._codec(s, public, private, parse_header(payload).clip)
+            h = parse_header(payload)  # the layout follows its round's total weight, never above the channel's
+            if not 1 <= h.max_total_weight <= s["max_total_weight"]:
+                raise RuntimeError(f"Paillier channel: an aggregate with max_total_weight {h.max_total_weight}, "
+                                   f"outside [1, {s['max_total_weight']}]")
+            codec = self._codec({**s, "max_total_weight": h.max_total_weight}, public, private, h.clip)
             return DECRYPTED.get(codec, payload, num, self._codec_text)
 
         start = base
@@ -276,7 +281,14 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
         update = context.state[STATE_CHANNEL_PENDING][_UPDATE].numpy()
         del context.state[STATE_CHANNEL_PENDING]
         ch = msg.content[CHANNEL]
-        return RecordDict(self._encrypt(context, _settings(str(ch[CODEC])), [update], float(ch[CLIP])))
+        s = _settings(str(ch[CODEC]))
+        if ROUND_WEIGHT in ch:  # the round's total weight, known to the server once the clients replied
+            weight = ch[ROUND_WEIGHT]
+            if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= s["max_total_weight"]:
+                raise RuntimeError(f"Paillier channel: {ROUND_WEIGHT} {str(weight)[:40]} outside "
+                                   f"[1, {s['max_total_weight']}]")
+            s = {**s, "max_total_weight": weight}
+        return RecordDict(self._encrypt(context, s, [update], float(ch[CLIP])))
 
     def _advance(self, msg: Message, context: Context) -> RecordDict:
         if STATE_CHANNEL_MODEL in context.state:  # names, shapes and dtypes: the model this client holds ...
