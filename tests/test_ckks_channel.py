@@ -60,6 +60,21 @@ def _client_state(grid, partition):
     return {k: bytes(v) for k, v in grid.contexts[nid].state[STATE_CHANNEL].items()}
 
 
+def test_a_process_decrypts_each_global_model_once_for_all_its_clients(small_cfg, monkeypatch):
+    """fedsim.crypto.decoded: the in-process grid runs all 4 clients in one process; round 2's 4 train
+    messages and round 1's evaluator carry the same combined payload, decrypted once; round 2's evaluator
+    decrypts the new one. Every decryption goes through ``ckks.decode``, counted here."""
+    calls = []
+    real = ckks.decode
+    monkeypatch.setattr(ckks, "decode", lambda *a: calls.append(a[1]) or real(*a))
+    grid, server, state, summary = _run_inprocess(small_cfg(*TABULAR, "federation.rounds=2", *CKKS))
+    assert summary["client_failures"] == 0
+    carried = [bytes(m.content[CHANNEL][PAYLOAD]) for m in grid.messages_sent
+               if m.has_content() and CHANNEL in m.content and PAYLOAD in m.content[CHANNEL]]
+    assert len(carried) >= 5 and len(set(carried)) == 2  # 4 train messages and 2 evaluations, 2 payloads
+    assert sorted(calls) == sorted(set(carried)) and calls[-1] == state.payload
+
+
 def test_no_message_and_no_server_object_holds_the_secret_key(small_cfg, recorder):
     grid, server, state, _ = _run_inprocess(small_cfg(*TABULAR, "federation.rounds=2", *CKKS), [recorder])
     secret_ctx = _client_state(grid, 0)["ckks-private"]

@@ -218,7 +218,7 @@ def test_integer_weights_are_reduced_by_their_common_divisor_exactly():
 def test_a_process_decrypts_an_aggregate_once_for_all_its_clients():
     """The per-process decryption cache: the second client of a process gets the same integers (read-only)
     without decrypting; other settings or another payload decrypt again."""
-    import channels.paillier.client as cp
+    from fedsim.crypto.decoded import DecodedCache
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -226,14 +226,20 @@ def test_a_process_decrypts_an_aggregate_once_for_all_its_clients():
     codec = PaillierCodec(pk, Quantizer(bits=16, clip=0.5), 64, private_key=sk)
     xs = [np.linspace(-0.4, 0.4, 50), np.linspace(0.3, -0.2, 50)]
     agg = codec.combine([codec.encode([x]) for x in xs], [1, 3])
-    cache = cp._Decrypted(size=2)
-    a = cache.get(codec, agg, 50, "s")
-    b = cache.get(codec, agg, 50, "s")
-    assert b is a and cache.hits == 1 and not a.flags.writeable
+    cache, fp, calls = DecodedCache(size=2), pl.key_fingerprint(pk), []
+
+    def get(payload, settings="s", key=fp):
+        return cache.get(key, payload, settings, lambda: calls.append(1) or codec.decode(payload, [(50,)])[0])
+
+    a = get(agg)
+    b = get(agg)
+    assert b is a and cache.hits == 1 and len(calls) == 1 and not a.flags.writeable
     np.testing.assert_array_equal(a, codec.decode(agg, [(50,)])[0])
-    cache.get(codec, agg, 50, "other settings")
-    cache.get(codec, codec.encode([xs[0]]), 50, "s")
-    assert cache.hits == 1 and len(cache.items) == 2  # the oldest went
+    get(agg, "other settings")
+    get(codec.encode([xs[0]]))
+    assert cache.hits == 1 and len(cache.items) == 2 and len(calls) == 3  # the oldest went
+    get(agg, key=b"another key")  # another key's holder decrypts for itself
+    assert len(calls) == 4
 
 
 def test_the_aggregate_sent_ahead_leaves_the_models_as_they_were_and_lightens_the_next_train(small_cfg):

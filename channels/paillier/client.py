@@ -21,7 +21,6 @@ charge the round N times that).
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import threading
 import time
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from fedsim.crypto.decoded import DECODED
 from fedsim.crypto.paillier import (
     ObfuscatorPool,
     PaillierCodec,
@@ -107,33 +107,6 @@ class _Pools:
 POOLS = _Pools()
 
 
-class _Decrypted:
-    """The decoded weighted means of the payloads this process decrypted lately, by payload digest and
-    settings (see the module docstring)."""
-
-    def __init__(self, size: int = 32) -> None:
-        self.items: collections.OrderedDict[tuple[bytes, str], np.ndarray] = collections.OrderedDict()
-        self.size = size
-        self.lock = threading.Lock()
-        self.hits = 0
-
-    def get(self, codec: PaillierCodec, payload: bytes, num_values: int, settings: str) -> np.ndarray:
-        key = (hashlib.sha256(payload).digest(), f"{settings}|{num_values}")
-        with self.lock:
-            if key in self.items:
-                self.items.move_to_end(key)
-                self.hits += 1
-                return self.items[key]
-        values = codec.decode(payload, [(num_values,)])[0]
-        values.setflags(write=False)
-        with self.lock:
-            self.items[key] = values
-            while len(self.items) > self.size:
-                self.items.popitem(last=False)
-        return values
-
-
-DECRYPTED = _Decrypted()
 
 
 @lru_cache(maxsize=8)
@@ -202,7 +175,8 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
                 raise RuntimeError(f"Paillier channel: an aggregate with max_total_weight {h.max_total_weight}, "
                                    f"outside [1, {s['max_total_weight']}]")
             codec = self._codec({**s, "max_total_weight": h.max_total_weight}, public, private, h.clip)
-            return DECRYPTED.get(codec, payload, num, self._codec_text)
+            return DECODED.get(key_fingerprint(public), payload, f"{self._codec_text}|{num}",
+                               lambda: codec.decode(payload, [(num,)])[0])
 
         start = base
         if base < 0:  # the whole model was encrypted
