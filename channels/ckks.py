@@ -85,7 +85,9 @@ class CkksClientChannel(SealedKeyClient, ClientChannel):
         floating = [np.asarray(a, dtype=np.float64).ravel() for a in arrays
                     if np.issubdtype(np.asarray(a).dtype, np.floating)]
         t0 = time.perf_counter()
-        payload = ckks.encode(self._key(context, self.public_field), np.concatenate(floating))
+        # with the secret key every client holds (secret-key encryption; fedsim.crypto.ckks.make_keys)
+        payload = ckks.encode(self._key(context, self.secret_field), np.concatenate(floating),
+                              public=self._key(context, self.public_field))
         return {CHANNEL: ConfigRecord({PAYLOAD: payload, ENCRYPT_SECONDS: time.perf_counter() - t0})}
 
 

@@ -32,6 +32,11 @@ def test_the_parameters_are_128_bit_and_seal_enforces_it():
     ckks.check_keys(public, private)
     with pytest.raises(ValueError, match="does not belong"):
         ckks.check_keys(public, ckks.make_keys()[1])
+    # secret-key encryption: the public context (what the server holds) holds no key and cannot encrypt;
+    # its key id makes every key's fingerprint its own
+    with pytest.raises(ValueError, match="encryption"):
+        ckks.encode(public, np.ones(8))
+    assert ckks.fingerprint(public) != ckks.fingerprint(ckks.make_keys()[0])
 
 
 def test_the_weighted_mean_is_within_the_documented_error_on_random_inputs():
@@ -39,7 +44,7 @@ def test_the_weighted_mean_is_within_the_documented_error_on_random_inputs():
     rng = np.random.default_rng(0)
     xs = [rng.normal(0, 0.5, 5000) for _ in range(5)]  # two ciphertexts each (4096 + 904 values)
     w = rng.random(5)
-    payload = ckks.combine(public, [ckks.encode(public, x) for x in xs], w / w.sum(), 5000)
+    payload = ckks.combine(public, [ckks.encode(private, x, public) for x in xs], w / w.sum(), 5000)
     err = np.abs(ckks.decode(private, payload, 5000) - sum(wi / w.sum() * x for wi, x in zip(w, xs)))
     assert 0 < err.max() <= ckks.error_bound(), err.max()
 
@@ -113,12 +118,13 @@ class TamperCkks:
             return reply
         rec = reply.content[CHANNEL]
         payload = bytes(rec[PAYLOAD])
-        public = {k: bytes(v) for k, v in context.state[STATE_CHANNEL].items()}["ckks-public"]
+        keys = {k: bytes(v) for k, v in context.state[STATE_CHANNEL].items()}
+        public = keys["ckks-public"]
         num = int.from_bytes(payload[5:13], "big")
         if how == "wrong-key":
-            payload = ckks.encode(ckks.make_keys()[0], np.ones(num))
+            payload = ckks.encode(ckks.make_keys()[1], np.ones(num))
         elif how == "count":
-            payload = ckks.encode(public, np.ones(num - 1))
+            payload = ckks.encode(keys["ckks-private"], np.ones(num - 1), public)
         elif how == "truncated":
             payload = payload[:-9]
         elif how == "not-fresh":  # a combination (one level spent) replayed as a client's payload
