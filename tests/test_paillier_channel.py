@@ -240,6 +240,12 @@ def test_a_process_decrypts_an_aggregate_once_for_all_its_clients():
     assert cache.hits == 1 and len(cache.items) == 2 and len(calls) == 3  # the oldest went
     get(agg, key=b"another key")  # another key's holder decrypts for itself
     assert len(calls) == 4
+    # the key objects too: made once per process from the key bytes, for every client holding them
+    from channels.paillier.client import _load_keys
+
+    pub, priv = pl.public_key_to_bytes(pk), private_key_to_bytes(sk)
+    first = _load_keys(pub, priv)
+    assert _load_keys(bytes(pub), bytes(priv)) is first and first[1].p == sk.p and first[0].n == pk.n
 
 
 def test_the_aggregate_sent_ahead_leaves_the_models_as_they_were_and_lightens_the_next_train(small_cfg):

@@ -114,6 +114,15 @@ def _settings(codec: str) -> dict[str, Any]:
     return json.loads(codec)
 
 
+@lru_cache(maxsize=4)
+def _load_keys(public: bytes, private: bytes | None) -> tuple[Any, Any]:
+    """The key objects of a client's key bytes, made once per process (``phe``'s private key precomputes its
+    CRT constants: ~10 ms a time, three times per client and round); client processes only, like
+    :data:`POOLS`, which holds the same private key."""
+    pk = public_key_from_bytes(public)
+    return pk, (private_key_from_bytes(private, pk) if private is not None else None)
+
+
 def _floating(template: Mapping[str, np.ndarray]) -> list[str]:
     return [k for k, v in template.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
 
@@ -144,9 +153,7 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
         state = self.channel_state(context)
         if _PUBLIC not in state or (need_private and _PAILLIER not in state):
             raise RuntimeError("Paillier channel: this client holds no key (key delivery failed)")
-        public = public_key_from_bytes(state[_PUBLIC])
-        private = private_key_from_bytes(state[_PAILLIER], public) if _PAILLIER in state else None
-        return public, private
+        return _load_keys(bytes(state[_PUBLIC]), bytes(state[_PAILLIER]) if _PAILLIER in state else None)
 
     @staticmethod
     def _codec(s: Mapping[str, Any], public: Any, private: Any, clip: float) -> PaillierCodec:
