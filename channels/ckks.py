@@ -33,6 +33,7 @@ from fedsim.replies import ChannelError, ModelSpec, Reply
 from fedsim.seams import WEIGHTED_SUM, ClientChannel, RoundContext, ServerChannel
 
 _STATE_MAGIC = b"FSCS1"
+_READ = "ckks.read"  # Reply.extra: the payload's ciphertexts, as check_reply read them
 
 
 class CkksModel:
@@ -140,12 +141,12 @@ class CkksChannel(SealedKeyServer, ServerChannel):
             return {CHANNEL: self.channel_record(**{PAYLOAD: state.payload})}
         return {ARRAYS: arrays_record(self.names, state), CHANNEL: self.channel_record()}
 
-    def check_payload(self, payload: bytes) -> None:
+    def check_payload(self, payload: bytes) -> list[Any]:
         """A client's payload against the channel: the key fingerprint, the model's value count, one
         fresh ciphertext (2 polynomials, both data primes, scale 2**40) per 4096 values, each readable with
         the public context. Raises :class:`ChannelError` naming the field."""
         try:
-            ckks.verify(self.public_bytes, payload, self.num_values)
+            return ckks.verify(self.public_bytes, payload, self.num_values)
         except IntegrityError as exc:
             raise ChannelError(f"payload rejected ({exc.field}): {exc}") from None
 
@@ -157,7 +158,7 @@ class CkksChannel(SealedKeyServer, ServerChannel):
         payload = rec[PAYLOAD]
         if not isinstance(payload, bytes):
             raise ChannelError(f"payload rejected (type): {type(payload).__name__}, not bytes")
-        self.check_payload(payload)
+        reply.extra[_READ] = self.check_payload(payload)  # read once here, combined as often as the rule asks
         reply.extra[PAYLOAD] = payload
         v = rec.get(ENCRYPT_SECONDS)
         if isinstance(v, float) and np.isfinite(v) and v >= 0:
@@ -166,8 +167,8 @@ class CkksChannel(SealedKeyServer, ServerChannel):
     def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> CkksModel:
         t0 = time.perf_counter()
         total = float(sum(weights))
-        payload = ckks.combine(self.public_bytes, [r.extra[PAYLOAD] for r in replies],
-                               [float(w) / total for w in weights], self.num_values)
+        payload = ckks.combine_read(self.public_bytes, [r.extra[_READ] for r in replies],
+                                    [float(w) / total for w in weights], self.num_values)
         enc = [r.extra[ENCRYPT_SECONDS] for r in replies if ENCRYPT_SECONDS in r.extra]
         self._metrics = {"combine_seconds": time.perf_counter() - t0, "payload_bytes": float(len(payload)),
                          "encrypt_seconds_mean": float(np.mean(enc)) if enc else float("nan"),

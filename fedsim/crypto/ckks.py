@@ -220,10 +220,16 @@ def verify(public: bytes, payload: bytes, num_values: int, *, fresh: bool = True
 def combine(public: bytes, payloads: Sequence[bytes], weights: Sequence[float], num_values: int) -> bytes:
     """``sum_i weights[i] * payload_i`` (each :func:`verify`-ed fresh) with the public context alone; the
     weights must be finite and >= 0 with a positive sum (they are used as given: normalise them first)."""
+    return combine_read(public, [verify(public, p, num_values) for p in payloads], weights, num_values)
+
+
+def combine_read(public: bytes, parsed: Sequence[Sequence[ts.CKKSVector]], weights: Sequence[float],
+                 num_values: int) -> bytes:
+    """:func:`combine` of payloads already :func:`verify`-ed (and read) when they arrived: each is read once,
+    however often it is combined."""
     w = [float(x) for x in weights]
-    if not payloads or len(w) != len(payloads) or not all(math.isfinite(x) and x >= 0 for x in w) or sum(w) <= 0:
-        raise ValueError(f"weights: {len(w)} finite weights >= 0 with a positive sum for {len(payloads)} payloads")
-    parsed = [verify(public, p, num_values) for p in payloads]
+    if not parsed or len(w) != len(parsed) or not all(math.isfinite(x) and x >= 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"weights: {len(w)} finite weights >= 0 with a positive sum for {len(parsed)} payloads")
     acc: list[ts.CKKSVector] | None = None
     for wi, cts in zip(w, parsed):
         if wi == 0:
