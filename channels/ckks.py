@@ -12,7 +12,9 @@ so a model costs no precision and needs no state on the clients.
 The secret key never reaches the server: one client makes the key pair and seals the private context for
 the others (``fedsim.keydelivery``, as the Paillier channel's key). Every client keeps its X25519 private
 key and, once delivered, the CKKS private context in Flower's ``Context.state``; neither is ever put in a
-reply. Integer buffers (``num_batches_tracked``) travel in no form and restart at zero. Parameters (fixed, 128-bit security):
+reply. The clients encrypt with that secret key (secret-key encryption; the public context the server holds
+carries the parameters and a key id, no key) and a process decrypts a global model once for all the clients
+it runs (``fedsim.crypto.decoded``). Integer buffers (``num_batches_tracked``) travel in no form and restart at zero. Parameters (fixed, 128-bit security):
 N = 8192, coefficient moduli 60/40/60 bits, scale 2**40 (docs/paillier.md, "The CKKS channel").
 """
 from __future__ import annotations
