@@ -26,7 +26,7 @@ demo: $(STAMP)
 PYTEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
+	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup --durations=30
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not ray"

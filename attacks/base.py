@@ -13,7 +13,7 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 import torch
 from torch import nn
 
-from fedsim.components import ATTACKS
+from fedsim.components import ATTACKS, Declared
 from fedsim.protocol import BATCH_SIZE
 
 
@@ -61,7 +61,7 @@ class AttackResult:
     trace: dict[str, Any] = field(default_factory=dict)  # loss (list), iterations, seconds, converged_at, ...
 
 
-class Attack:
+class Attack(Declared):
     """Base class. Subclasses set ``name`` and take their hyper-parameters as keyword arguments."""
 
     name: ClassVar[str] = ""

@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -61,6 +61,7 @@ from fedsim import lossless as ll
 from fedsim.components import OBSERVERS
 from fedsim.factories import client_data, dataset_for, model_for, partitions_for
 from fedsim.observers import ClientUpdate, Observer
+from fedsim.params import Range, Satisfies
 from fedsim.protocol import LR
 from fedsim.rounds import sample_partitions
 from fedsim.seeding import derive_seed
@@ -82,6 +83,10 @@ from .membership import (
 )
 
 _NEED = {"last": 1, "second": 2, "third": 3, "last3": 3}
+ROUNDS = Satisfies(lambda v: v == "all" or (isinstance(v, list) and all(
+    isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in v)), "\"all\" or a list of round numbers >= 1")
+MIA_FEATURES = Satisfies(lambda v: isinstance(v, list) and bool(v) and all(f in FEATURES for f in v),
+                         f"a non-empty list of {list(FEATURES)}")
 log = logging.getLogger("fedsim")
 
 
@@ -104,39 +109,32 @@ class CuriousClient(Observer):
 
     name = "curious-client"
 
-    def __init__(self, *, cfg: Mapping[str, Any], client: int = 0, rounds: str | list[int] | None = None,
-                 inversion: bool = True, membership: bool = True, mia_round: int = 0,
-                 mia_features: list[str] | None = None, mia_records: int = 200, mia_epochs: int = 100,
-                 adaptive: bool = False, rows_rtol: float = 1e-3, exact_tol: float = 1e-3,
-                 ssim_threshold: float = 0.5, seed: int = 0):
+    def __init__(self, *, cfg: Mapping[str, Any], client: Annotated[int, Range(0)] = 0,
+                 rounds: Annotated[str | list[int] | None, ROUNDS] = None, inversion: bool = True,
+                 membership: bool = True, mia_round: Annotated[int, Range(0)] = 0,
+                 mia_features: Annotated[list[str] | None, MIA_FEATURES] = None,
+                 mia_records: Annotated[int, Range(2)] = 200, mia_epochs: Annotated[int, Range(1)] = 100,
+                 adaptive: bool = False, rows_rtol: Annotated[float, Range(0, open_low=True)] = 1e-3,
+                 exact_tol: Annotated[float, Range(0, open_low=True)] = 1e-3, ssim_threshold: float = 0.5,
+                 seed: Annotated[int, Range(0)] = 0):
+        # single values are checked from the signature; here what depends on the rest of the config
         self.cfg = cfg
         fed = cfg["federation"]
         n_clients, n_rounds = int(fed["num_clients"]), int(fed["rounds"])
         if n_clients < 2:
             raise ValueError("curious-client needs federation.num_clients >= 2 (other clients to attack)")
-        if isinstance(client, bool) or not isinstance(client, int) or not 0 <= client < n_clients:
+        if client >= n_clients:
             raise ValueError(f"client must be a client id in 0..{n_clients - 1}, got {client!r}")
         rounds = [1] if rounds is None else rounds
-        if not (rounds == "all" or (isinstance(rounds, list) and all(
-                isinstance(r, int) and not isinstance(r, bool) and 1 <= r for r in rounds))):
-            raise ValueError(f"rounds must be \"all\" or a list of round numbers >= 1, got {rounds!r}")
         if inversion and cfg["train"].get("local_steps") != 1:
             raise ValueError("inversion needs train.local_steps = 1 (FedSGD: the model difference is one "
                              "gradient step); set inversion = false to run membership inference only")
         features = ["last", "second"] if mia_features is None else mia_features
-        if not isinstance(features, list) or not features or any(f not in FEATURES for f in features):
-            raise ValueError(f"mia_features must be a non-empty list of {list(FEATURES)}, got {mia_features!r}")
-        if isinstance(mia_round, bool) or not isinstance(mia_round, int) or not 0 <= mia_round <= n_rounds:
+        if mia_round > n_rounds:
             raise ValueError(f"mia_round must be 0 (the last round) or a round in 1..{n_rounds}, got {mia_round!r}")
         self.mia_round = mia_round or n_rounds
         if membership and self.mia_round < 2:
             raise ValueError("membership inference needs mia_round >= 2 (it is calibrated on the round before)")
-        for key, v, lo in (("mia_records", mia_records, 2), ("mia_epochs", mia_epochs, 1), ("seed", seed, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{key} must be an integer >= {lo}, got {v!r}")
-        for key, v in (("rows_rtol", rows_rtol), ("exact_tol", exact_tol)):
-            if not v > 0:
-                raise ValueError(f"{key} must be a number > 0, got {v!r}")
         with torch.random.fork_rng(devices=[]):
             model = model_for(cfg)
         try:

@@ -20,13 +20,13 @@ from typing import Any, ClassVar, Mapping
 
 import torch
 
-from fedsim.components import KNOWLEDGE
+from fedsim.components import KNOWLEDGE, Declared
 from fedsim.observers import ClientUpdate
 
 from .base import AttackInput
 
 
-class Knowledge:
+class Knowledge(Declared):
     """Base class. Subclasses set ``name``, take parameters as keyword arguments (plus ``cfg``)."""
 
     name: ClassVar[str] = ""

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from flwr.app import ConfigRecord, Context, RecordDict
 
+from channels.initial_model import InitialModel
 from fedsim.components import CHANNELS
 from fedsim.crypto import ckks
 from fedsim.crypto.decoded import DECODED
@@ -95,7 +96,7 @@ class CkksClientChannel(SealedKeyClient, ClientChannel):
 
 
 @CHANNELS.register
-class CkksChannel(SealedKeyServer, ServerChannel):
+class CkksChannel(InitialModel, SealedKeyServer, ServerChannel):
     """CKKS-encrypted weighted means (no parameters: the CKKS parameters are fixed at 128-bit security)."""
 
     name = "ckks"
@@ -113,15 +114,6 @@ class CkksChannel(SealedKeyServer, ServerChannel):
         self.setup_delivery(cfg, {"poly_modulus_degree": ckks.POLY_MODULUS_DEGREE,
                                   "coeff_mod_bit_sizes": list(ckks.COEFF_MOD_BIT_SIZES),
                                   "scale_bits": ckks.SCALE_BITS})
-
-    def initial(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        if self.x0 is None:
-            self.x0 = [np.asarray(a) for a in arrays]
-        return arrays
-
-    @property
-    def num_values(self) -> int:
-        return sum(int(a.size) for a in self.x0 if np.issubdtype(a.dtype, np.floating))
 
     # ---- key delivery ---------------------------------------------------------------------------------
     def accept_public_key(self, public: bytes) -> bytes:

@@ -11,12 +11,13 @@ The base of every update-stage defense is :class:`clients.update_defense.UpdateD
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
 import torch
 
 from clients.update_defense import BUFFER, UpdateDefense, entry_kinds
 from fedsim.defense import Defense, DefenseContext, register
+from fedsim.params import Range
 from fedsim.privacy import AGAINST_SERVER, Mechanism
 
 
@@ -88,13 +89,12 @@ class GaussianNoise(_AdditiveNoise):
     name = "gaussian-noise"
 
     def __init__(self, sigma: float | None = None, variance: float | None = None,
-                 include_buffers: bool = False, delta: float = 1e-5):
+                 include_buffers: bool = False,
+                 delta: Annotated[float, Range(0, 1, open_low=True, open_high=True)] = 1e-5):
         key, value = _one_of("sigma (standard deviation)", sigma, variance)
         self.std = value if key == "sigma" else math.sqrt(value)
         self.include_buffers = bool(include_buffers)
         self.delta = float(delta)
-        if not 0 < self.delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta!r}")
 
     def _sample(self, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
         return torch.randn(shape, generator=gen) * self.std

@@ -14,6 +14,7 @@ import copy
 import hashlib
 import math
 from collections import OrderedDict
+from typing import Annotated
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ from clients.clipping import clip_per_sample, per_sample_gradients
 from clients.slicing_plan import SlicingPlan, build_plan
 from clients.slicing_risk import RISK_METHODS, layer_risk, per_sample_copy, trainable_parameters
 from fedsim.defense import Defense, DefenseContext, LossFn, register
+from fedsim.params import OneOf, Range
 from fedsim.protocol import LR
 
 # --------------------------------------------------------------------------- Algorithm 1
@@ -129,34 +131,18 @@ class LocalRandomPerturbation(Defense):
 
     name = "lrp"
 
-    def __init__(self, slices: int = 10, gamma: float = 0.3, sigma: float = 0.1, scale: str = "gradient",
-                 risk: str = "sensitivity", root_size: int = 100, risk_method: str = "auto", probes: int = 8,
-                 block_risk: str = "layer", plan_from: str = "global", clip: float | None = None,
-                 root_bias: float = 0.0):
-        if int(slices) < 1:
-            raise ValueError(f"slices must be >= 1, got {slices}")
-        if not 0.0 < float(gamma) <= 1.0:
-            raise ValueError(f"gamma must be in (0, 1], got {gamma}")
-        if float(sigma) < 0:
-            raise ValueError(f"sigma must be >= 0, got {sigma}")
-        if scale not in ("update", "gradient"):
-            raise ValueError(f"scale must be 'update' or 'gradient', got {scale!r}")
-        if risk not in ("sensitivity", "size"):
-            raise ValueError(f"risk must be 'sensitivity' or 'size', got {risk!r}")
-        if int(root_size) < 1:
-            raise ValueError(f"root_size must be >= 1, got {root_size}")
-        if risk_method not in RISK_METHODS:
-            raise ValueError(f"risk_method must be one of {RISK_METHODS}, got {risk_method!r}")
-        if int(probes) < 1:
-            raise ValueError(f"probes must be >= 1, got {probes}")
-        if block_risk not in ("layer", "share"):
-            raise ValueError(f"block_risk must be 'layer' or 'share', got {block_risk!r}")
-        if plan_from not in ("global", "reinit"):
-            raise ValueError(f"plan_from must be 'global' or 'reinit', got {plan_from!r}")
-        if clip is not None and not float(clip) > 0:
-            raise ValueError(f"clip must be > 0 or unset, got {clip}")
-        if not 0.0 <= float(root_bias) <= 1.0:
-            raise ValueError(f"root_bias must be in [0, 1], got {root_bias}")
+    def __init__(self, slices: Annotated[int, Range(1)] = 10,
+                 gamma: Annotated[float, Range(0, 1, open_low=True)] = 0.3,
+                 sigma: Annotated[float, Range(0)] = 0.1,
+                 scale: Annotated[str, OneOf("update", "gradient")] = "gradient",
+                 risk: Annotated[str, OneOf("sensitivity", "size")] = "sensitivity",
+                 root_size: Annotated[int, Range(1)] = 100,
+                 risk_method: Annotated[str, OneOf(*RISK_METHODS)] = "auto",
+                 probes: Annotated[int, Range(1)] = 8,
+                 block_risk: Annotated[str, OneOf("layer", "share")] = "layer",
+                 plan_from: Annotated[str, OneOf("global", "reinit")] = "global",
+                 clip: Annotated[float | None, Range(0, open_low=True)] = None,
+                 root_bias: Annotated[float, Range(0, 1)] = 0.0):
         self.root_bias = float(root_bias)
         self.slices, self.gamma, self.sigma = int(slices), float(gamma), float(sigma)
         self.scale, self.risk, self.root_size = scale, risk, int(root_size)

@@ -18,6 +18,7 @@ could be handed any arguments the config names.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import types
@@ -144,6 +145,61 @@ def _non_finite(value: Any, where: str = "") -> tuple[str, float] | None:
     return None
 
 
+
+
+class Declared:
+    """Base of every component kind (rules, transforms, server channels and observers through
+    :class:`fedsim.lifecycle.Component`, defenses, attacks, attacker knowledge): a component built
+    directly in Python checks its parameters as the config loader does - the declaration is its
+    ``__init__`` signature, checked by :func:`check_value` - so ``DLG(iterations=0)`` raises the same
+    one-line :class:`ConfigError`, naming the parameter as ``<name>.<parameter>`` (``dlg.iterations must
+    be >= 1, got 0``). Only the arguments given are checked (defaults are the author's), and only once, by
+    the constructor called (not again by a base's ``__init__`` reached through ``super()``).
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is not None and not hasattr(init, "__checked_init__"):
+            cls.__init__ = _checked_init(init)  # type: ignore[method-assign]
+
+
+def check_arguments(cls: type, init: Callable, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """Check the arguments of a direct ``cls(*args, **kwargs)`` call (``init`` is the ``__init__`` that
+    receives them) against ``cls``'s declared parameters; the run config (``cfg``) is context, not a
+    parameter. Arguments that do not bind are left to Python's own TypeError."""
+    try:
+        bound = inspect.signature(init).bind(None, *args, **kwargs)
+    except TypeError:
+        return
+    given: dict[str, Any] = {}
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            given.update(value)
+        elif i and kind is not inspect.Parameter.VAR_POSITIONAL:
+            given[name] = value
+    declared = _declared_cached(cls)
+    label = getattr(cls, "name", "") or cls.__qualname__
+    for name, value in given.items():
+        if name in declared and name != "cfg":
+            check_value(f"{label}.{name}", value, declared[name].annotation)
+
+
+@functools.lru_cache(maxsize=None)
+def _declared_cached(cls: type) -> dict[str, inspect.Parameter]:
+    return declared_params(cls)
+
+
+def _checked_init(init: Callable) -> Callable:
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if type(self).__init__ is __init__:  # the constructor called, not a base's reached through super()
+            check_arguments(type(self), init, args, kwargs)
+        init(self, *args, **kwargs)
+
+    __init__.__checked_init__ = True  # type: ignore[attr-defined]
+    return __init__
 
 
 class Registry:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedsim.components import DEFENSES
+from fedsim.components import DEFENSES, Declared
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -48,7 +48,7 @@ class DefenseContext:
     incoming: Mapping[str, np.ndarray] = field(default_factory=dict)  # extra arrays the server sent (EXTRAS)
 
 
-class Defense:
+class Defense(Declared):
     """Base class. Subclasses set ``name`` and accept their parameters as keyword arguments.
 
     Stages, in the order ``fedsim.training.local.local_train`` calls them: ``adapt_model`` (may change the

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Mapping, Sequence
 
-from fedsim.components import declared_params
+from fedsim.components import Declared, declared_params
 
 
-class Component:
+class Component(Declared):
     """The lifecycle every server-side component shares - aggregation rules, server transforms, server
     halves of channels and observers - written once:
 

@@ -115,6 +115,31 @@ class Satisfies(Constraint):
         return f"Satisfies({self.description!r})"
 
 
+class CountOrFraction(Constraint):
+    """A count or a share, told apart by the type: an integer is a count (``>= low``; odd with ``odd``),
+    a number with a decimal point a fraction in (0, 1] of ``of``. ``why`` says what a bad count breaks.
+    (SecAgg+'s ``num_shares``: ``CountOrFraction(3, of="the round's clients", odd=True)``.)"""
+
+    def __init__(self, low: int, *, of: str, odd: bool = False, why: str = ""):
+        self.low, self.of, self.odd, self.why = low, of, odd, why
+
+    def describe(self) -> str:
+        return f"{'an odd' if self.odd else 'an'} integer >= {self.low} or a fraction in (0, 1] of {self.of}"
+
+    def check(self, key: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return
+        if isinstance(value, int):
+            if value < self.low or (self.odd and value % 2 == 0):
+                raise ConfigError(f"{key} must be {self.describe()}, got {value}{': ' + self.why if self.why else ''}")
+        elif not 0 < value <= 1:
+            raise ConfigError(f"{key} as a number with a decimal point is a fraction of {self.of} and must be in "
+                              f"(0, 1], got {value} (write an integer for a count)")
+
+    def __repr__(self) -> str:
+        return f"CountOrFraction({self.describe()!r})"
+
+
 def split(annotation: Any) -> tuple[Any, tuple[Constraint, ...]]:
     """``Annotated[T, c1, c2]`` -> ``(T, (c1, c2))`` (only the :class:`Constraint` metadata); anything
     else -> ``(annotation, ())``."""

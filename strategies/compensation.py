@@ -17,12 +17,13 @@ It needs the aggregate in plaintext, so it composes with any aggregation rule un
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 
-from fedsim.compensation import VARIANCE_RULES, GlobalUpdateCompensation
+from fedsim.compensation import MODES, VARIANCE_RULES, GlobalUpdateCompensation
 from fedsim.components import TRANSFORMS
+from fedsim.params import OneOf, Range
 from fedsim.protocol import NOISE_VARIANCE
 from fedsim.seams import RoundContext, ServerTransform
 
@@ -44,12 +45,9 @@ class MPCompensation(ServerTransform):
 
     name = "mp-compensation"
 
-    def __init__(self, Q: float = 6.0, mode: str = "band", noise_variance: float | None = None,
-                 feedback: bool = False, variance: str = "weighted-mean"):
-        if noise_variance is not None and noise_variance < 0:
-            raise ValueError(f"noise_variance must be >= 0, got {noise_variance}")
-        if variance not in VARIANCE_RULES:
-            raise ValueError(f"variance must be one of {list(VARIANCE_RULES)}, got {variance!r}")
+    def __init__(self, Q: Annotated[float, Range(1)] = 6.0, mode: Annotated[str, OneOf(*MODES)] = "band",
+                 noise_variance: Annotated[float | None, Range(0)] = None, feedback: bool = False,
+                 variance: Annotated[str, OneOf(*VARIANCE_RULES)] = "weighted-mean"):
         self.variance_rule = VARIANCE_RULES[variance]
         self.noise_variance = noise_variance
         self.feedback = bool(feedback)

@@ -36,12 +36,13 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 from flwr.app import ConfigRecord, RecordDict
 
 from fedsim.components import STRATEGIES
+from fedsim.params import OneOf, Range
 from fedsim.protocol import (
     CONFIG,
     CROSS_VALIDATE,
@@ -131,6 +132,8 @@ def inverse_loss_weights(train_losses: Sequence[float], val_losses: np.ndarray,
 
 
 WEIGHTINGS = {"eq4.2": mixture_weights, "inverse-loss": inverse_loss_weights}
+# the model's own share of its fused copy must be the largest
+P_HAT = Range(0.5, 1, open_low=True)
 
 
 @STRATEGIES.register
@@ -142,17 +145,9 @@ class FedBoosting(WeightedSumRule):
     name = "fedboosting"
     stateless = True  # each round's weights come from that round's replies (and (seed, round))
 
-    def __init__(self, p_hat: float = 0.9, shares: str = "equal", secrets_from: str = "entropy",
-                 weighting: str = "eq4.2", use_train_loss: bool = True):
-        if not 0.5 < p_hat <= 1.0:
-            raise ValueError(f"p_hat must be in (0.5, 1] (the model's own share of its fused copy must be the "
-                             f"largest), got {p_hat}")
-        if shares not in SHARES:
-            raise ValueError(f"shares must be one of {list(SHARES)}, got {shares!r}")
-        if secrets_from not in SECRET_SOURCES:
-            raise ValueError(f"secrets_from must be one of {list(SECRET_SOURCES)}, got {secrets_from!r}")
-        if weighting not in WEIGHTINGS:
-            raise ValueError(f"weighting must be one of {list(WEIGHTINGS)}, got {weighting!r}")
+    def __init__(self, p_hat: Annotated[float, P_HAT] = 0.9, shares: Annotated[str, OneOf(*SHARES)] = "equal",
+                 secrets_from: Annotated[str, OneOf(*SECRET_SOURCES)] = "entropy",
+                 weighting: Annotated[str, OneOf(*WEIGHTINGS)] = "eq4.2", use_train_loss: bool = True):
         self.p_hat, self.shares, self.secrets_from = float(p_hat), shares, secrets_from
         self.weighting = weighting
         self.use_train_loss = bool(use_train_loss)

@@ -93,7 +93,7 @@ def test_lock_activation_and_averaged_statistics_options(small_cfg):
     normalisation, so its running statistics are base entries; locking it keeps them under those names;
     without the option the base LeNet has no entry there. The server's random-key model uses the
     defense's activation."""
-    from fedsim.keylock_eval import random_key_model
+    from clients.fedkl.evaluation import random_key_model
 
     model = build_model("lenet", (1, 28, 28), 10, norm="none")
     key = keylock.client_key(seed=3, client=1, length=64)
@@ -140,7 +140,7 @@ def test_block_selection_and_errors():
 def test_config_errors_name_the_key(small_cfg):
     with pytest.raises(ConfigError, match=r"defenses\[0\] \(fedkl\): .*no convolution-normalisation block"):
         small_cfg('model.name="mlp"', defenses=[{"name": "fedkl"}])
-    with pytest.raises(ConfigError, match=r"defenses\[0\] \(fedkl\): evaluate must be one of"):
+    with pytest.raises(ConfigError, match=r"defenses\[0\]\.evaluate must be one of"):
         small_cfg(defenses=[{"name": "fedkl", "evaluate": "sometimes"}])
     with pytest.raises(ConfigError, match=r"attack.knowledge\[0\] \(fedkl\): lock = true needs .*leak_lock"):
         small_cfg('attack.name="idlg"', 'attack.knowledge=[{name="fedkl", lock=true}]', defenses=[{"name": "fedkl"}])

@@ -16,7 +16,7 @@ from fedsim.checkpoint import CHECKPOINT, resume_blocker
 from fedsim.components import STRATEGIES, ConfigError, check_value
 from fedsim.config import SCHEMA
 from fedsim.lifecycle import Component
-from fedsim.params import OneOf, Range
+from fedsim.params import CountOrFraction, OneOf, Range
 from fedsim.seams import AggregationRule, PlainChannel, WeightedSumRule
 from strategies.fedavg import FedAvg
 
@@ -29,6 +29,10 @@ from strategies.fedavg import FedAvg
     (-1, Annotated[float | None, Range(0)], "k must be >= 0, got -1"),
     ("c", Annotated[str, OneOf("a", "b")], "k must be one of ['a', 'b'], got 'c'"),
     (True, Annotated[int, Range(1)], "k must be an integer, got True"),  # the type first, then the limits
+    (4, Annotated[int | float, CountOrFraction(3, of="x", odd=True)],
+     "k must be an odd integer >= 3 or a fraction in (0, 1] of x, got 4"),
+    (1.5, Annotated[int | float, CountOrFraction(3, of="x")],
+     "k as a number with a decimal point is a fraction of x and must be in (0, 1], got 1.5 (write an integer for a count)"),
 ])
 def test_one_check_gives_one_line_naming_the_key(value, annotation, message):
     with pytest.raises(ConfigError) as err:
@@ -52,6 +56,16 @@ def test_the_schema_uses_the_same_constraint_objects():
      "attack.params.cpl.labels must be one of ['idlg', 'known'], got 'joint'"),
     (['defenses=[{name="prune", ratio=1.5}]'], "defenses[0].ratio must be in [0, 1], got 1.5"),
     (['strategy={name="flwr-fedadam", eta=0.0}'], "strategy.eta must be in (0, inf), got 0.0"),
+    # hand-written constructor checks before issue 28's last step, now constraints in the signatures
+    (['defenses=[{name="lrp", gamma=0.0}]'], "defenses[0].gamma must be in (0, 1], got 0.0"),
+    (['defenses=[{name="gaussian-noise", sigma=0.1, delta=1.0}]'], "defenses[0].delta must be in (0, 1), got 1.0"),
+    (['defenses=[{name="fedkl", evaluate="sometimes"}]'],
+     "defenses[0].evaluate must be one of ['both', 'before', 'after', 'none'], got 'sometimes'"),
+    (['transforms=[{name="mp-compensation", variance="median"}]'],
+     "transforms[0].variance must be one of ['weighted-mean', 'paper'], got 'median'"),
+    (['strategy={name="fedboosting", p_hat=0.5}'], "strategy.p_hat must be in (0.5, 1], got 0.5"),
+    (['channel={name="paillier", encrypt="gradients"}'],
+     "channel.encrypt must be one of ['update', 'model'], got 'gradients'"),
     (['strategy={name="flwr-dp-server-fixed", noise_multiplier=1.0, clipping_norm=1.0, '
       'rule={name="flwr-fedadam", eta=0.0}}'], "strategy.rule.eta must be in (0, inf), got 0.0"),
 ])
@@ -66,6 +80,44 @@ def test_attack_parameters_are_checked_where_they_are_declared():
         build_attack("ig", iterations=0)  # declared once (Annotated), checked once
     with pytest.raises(ConfigError, match=r"^attack\.muted must be a list of parameter-name patterns"):
         build_attack("ig-bn", muted=[1])
+
+
+def test_components_built_in_python_are_checked_as_config_entries_are():
+    """One mechanism (fedsim.components.Declared, the base of every component kind): building a component
+    directly checks the arguments given against its declaration, with the config loader's one line."""
+    from attacks.base import Attack
+    from clients.slicing import LocalRandomPerturbation
+    from strategies.fedboosting import FedBoosting
+
+    for build, message in [(lambda: DLG(iterations=0), "dlg.iterations must be >= 1, got 0"),
+                           (lambda: ATTACKS["idlg"](iterations=0), "idlg.iterations must be >= 1, got 0"),
+                           (lambda: DLG(labels="soft"), "dlg.labels must be one of"),
+                           (lambda: LocalRandomPerturbation(root_bias=1.5), "lrp.root_bias must be in [0, 1], got 1.5"),
+                           (lambda: FedBoosting(shares="sorted"), "fedboosting.shares must be one of")]:
+        with pytest.raises(ConfigError) as err:
+            build()
+        assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert DLG(iterations=5).iterations == 5  # what is valid still builds
+
+    class Mine(Attack):  # a user's attack: the same check, with no code of its own
+        name = "mine"
+
+        def __init__(self, steps: Annotated[int, Range(1)] = 10, lr: Annotated[float, Range(0, open_low=True)] = 0.1):
+            self.steps, self.lr = steps, lr
+
+    class Longer(Mine):  # checked once, by the constructor called, under its own name
+        name = "longer"
+
+        def __init__(self, steps: Annotated[int, Range(100)] = 100, **kwargs):
+            super().__init__(steps=steps, **kwargs)
+
+    with pytest.raises(ConfigError, match=r"^mine\.lr must be > 0, got 0\.0$"):
+        Mine(5, 0.0)  # positional arguments too
+    with pytest.raises(ConfigError, match=r"^longer\.steps must be >= 100, got 50$"):
+        Longer(steps=50)
+    with pytest.raises(ConfigError, match=r"^longer\.lr must be > 0"):
+        Longer(lr=-1.0)  # a base's parameter passed through **kwargs
+    assert Longer(lr=0.5).steps == 100
 
 
 # ----------------------------------------------------------------------------------- presets

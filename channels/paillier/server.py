@@ -26,11 +26,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 from flwr.app import RecordDict
 
+from channels.initial_model import InitialModel
 from fedsim.components import CHANNELS
 from fedsim.crypto.errors import IntegrityError
 from fedsim.crypto.packing import MAX_TOTAL_WEIGHT, packing_layout
@@ -47,6 +48,7 @@ from fedsim.crypto.paillier import (
 )
 from fedsim.crypto.quantize import MAX_RANGE_EXPONENT, MIN_RANGE_EXPONENT, Quantizer, integer_weights
 from fedsim.keydelivery import SealedKeyServer
+from fedsim.params import OneOf, Range
 from fedsim.protocol import (
     ARRAYS,
     BASE,
@@ -82,7 +84,7 @@ _READ = "paillier.read"  # Reply.extra: the payload's header and ciphertexts, as
 
 
 @CHANNELS.register
-class PaillierChannel(EncryptedModelCheckpoints, SealedKeyServer, ServerChannel):
+class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, ServerChannel):
     """Paillier-encrypted weighted sums (parameters: ``key_bits``, ``encrypt`` = update | model, ``bits`` and
     ``clip`` of the quantizer (``bits`` unset: 12 for updates, 16 for models; ``clip`` unset: the updates'
     range every round, or 4.0 for models), ``overflow`` = clip | raise, ``precision`` = P of the integer
@@ -95,14 +97,11 @@ class PaillierChannel(EncryptedModelCheckpoints, SealedKeyServer, ServerChannel)
     provides = frozenset({WEIGHTED_SUM})
     key_name = "the Paillier key pair"
 
-    def __init__(self, key_bits: int = DEFAULT_KEY_BITS, encrypt: str = "update", bits: int | None = None,
-                 clip: float | None = None, overflow: str = "clip", precision: int = 4096, packed: bool = True,
-                 slots: int | None = None, advance: bool = True, round_layout: bool = True):
+    def __init__(self, key_bits: int = DEFAULT_KEY_BITS, encrypt: Annotated[str, OneOf(*ENCRYPT)] = "update",
+                 bits: int | None = None, clip: float | None = None, overflow: str = "clip",
+                 precision: Annotated[int, Range(1)] = 4096, packed: bool = True, slots: int | None = None,
+                 advance: bool = True, round_layout: bool = True):
         check_key_bits(key_bits)
-        if encrypt not in ENCRYPT:
-            raise ValueError(f"channel.encrypt must be one of {list(ENCRYPT)}, got {encrypt!r}")
-        if precision < 1:
-            raise ValueError(f"channel.precision must be an integer >= 1, got {precision}")
         self.encrypt = encrypt
         self.auto_clip = clip is None and encrypt == "update"
         fixed = 4.0 if clip is None else clip  # the auto clip changes every round: 4.0 only fills the layout
@@ -173,16 +172,6 @@ class PaillierChannel(EncryptedModelCheckpoints, SealedKeyServer, ServerChannel)
             return self.mtw
         total = sum(counts) // math.gcd(*counts)
         return total if total <= self.precision else self.mtw
-
-    def initial(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
-        if self.x0 is None:
-            self.x0 = [np.asarray(a) for a in arrays]
-        return arrays
-
-    @property
-    def num_values(self) -> int:
-        """Values a client encrypts: the model's floating entries (integer buffers travel in no form)."""
-        return sum(int(a.size) for a in self.x0 if np.issubdtype(a.dtype, np.floating))
 
     # ---- key delivery -------------------------------------------------------------------------------------
     def accept_public_key(self, public: bytes) -> bytes:

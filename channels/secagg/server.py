@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -45,6 +45,7 @@ from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECOR
 from flwr.server.workflow.constant import Key as WorkflowKey
 
 from fedsim.components import CHANNELS
+from fedsim.params import CountOrFraction, OneOf, Range, Satisfies
 from fedsim.protocol import (
     ARRAYS,
     CLIPPED,
@@ -69,6 +70,24 @@ from .workflow import (
 )
 
 AGGREGATE = -1  # the partition id of a reply that stands for several clients
+
+NUM_SHARES = CountOrFraction(3, of="the round's clients", odd=True, why=(
+    "with an even number Flower 1.41's SecAgg+ builds neighbourhoods one larger than the shares it makes, "
+    "every client fails with an IndexError and the run still exits 0"))
+THRESHOLD = CountOrFraction(2, of="num_shares", why="one share must not reveal a secret")
+
+
+def _power_of_two(v: int) -> bool:
+    return 4 <= v <= 2 ** 32 and not v & (v - 1)
+
+
+def _ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in v)
+
+
+def _rounds(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in v)
+
 
 @CHANNELS.register
 class SecAggPlusChannel(ServerChannel):
@@ -96,58 +115,22 @@ class SecAggPlusChannel(ServerChannel):
     stateless = True  # every round runs the whole protocol afresh
     provides = frozenset({EXAMPLE_WEIGHTED_MEAN, PLAINTEXT_AGGREGATE})
 
-    def __init__(self, num_shares: int | float = 3, reconstruction_threshold: int | float = 2,
-                 clipping_range: float = 8.0, quantization_range: int = 2 ** 22, modulus_range: int = 2 ** 32,
-                 max_weight: float = 1000.0, timeout: float | None = None, on_failure: str = "stop",
-                 dropout_fraction: float = 0.0, dropout_clients: list[int] | None = None,
-                 dropout_stage: str = Stage.COLLECT_MASKED_VECTORS, dropout_rounds: list[int] | None = None):
-        if isinstance(num_shares, int):
-            if num_shares < 3 or num_shares % 2 == 0:
-                raise ValueError(
-                    f"channel.num_shares must be an odd integer >= 3 (or a fraction in (0, 1] of the round's "
-                    f"clients), got {num_shares}: with an even number Flower 1.41's SecAgg+ builds neighbourhoods "
-                    "one larger than the shares it makes, every client fails with an IndexError and the run "
-                    "still exits 0")
-        elif not 0 < num_shares <= 1:
-            raise ValueError(f"channel.num_shares as a number with a decimal point is a fraction of the round's "
-                             f"clients and must be in (0, 1], got {num_shares} (write an integer for a count)")
-        if isinstance(reconstruction_threshold, int):
-            if reconstruction_threshold < 2:
-                raise ValueError(f"channel.reconstruction_threshold must be an integer >= 2 (one share must not "
-                                 f"reveal a secret) or a fraction in (0, 1], got {reconstruction_threshold}")
-            if isinstance(num_shares, int) and reconstruction_threshold >= num_shares:
-                raise ValueError(f"channel.reconstruction_threshold ({reconstruction_threshold}) must be below "
-                                 f"channel.num_shares ({num_shares})")
-        elif not 0 < reconstruction_threshold <= 1:
-            raise ValueError(f"channel.reconstruction_threshold as a number with a decimal point is a fraction of "
-                             f"num_shares and must be in (0, 1], got {reconstruction_threshold}")
-        if not clipping_range > 0:
-            raise ValueError(f"channel.clipping_range must be > 0, got {clipping_range}")
-        if not 2 <= quantization_range < 2 ** 31:
-            raise ValueError(f"channel.quantization_range must be an integer in [2, 2^31) (Flower quantizes to "
-                             f"int32), got {quantization_range}")
-        if modulus_range <= quantization_range or modulus_range > 2 ** 32 or modulus_range & (modulus_range - 1):
-            raise ValueError(f"channel.modulus_range must be a power of 2 above quantization_range and at most "
-                             f"2^32, got {modulus_range}")
-        if not max_weight > 0:
-            raise ValueError(f"channel.max_weight must be > 0, got {max_weight}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"channel.timeout must be > 0 seconds or unset, got {timeout}")
-        if on_failure not in ("stop", "continue"):
-            raise ValueError(f"channel.on_failure must be \"stop\" or \"continue\", got {on_failure!r}")
-        if not 0 <= dropout_fraction < 1:
-            raise ValueError(f"channel.dropout_fraction must be in [0, 1), got {dropout_fraction}")
+    def __init__(self, num_shares: Annotated[int | float, NUM_SHARES] = 3,
+                 reconstruction_threshold: Annotated[int | float, THRESHOLD] = 2,
+                 clipping_range: Annotated[float, Range(0, open_low=True)] = 8.0,
+                 quantization_range: Annotated[int, Range(2, 2 ** 31, open_high=True)] = 2 ** 22,
+                 modulus_range: Annotated[int, Satisfies(_power_of_two, "a power of 2 in [4, 2^32]")] = 2 ** 32,
+                 max_weight: Annotated[float, Range(0, open_low=True)] = 1000.0,
+                 timeout: Annotated[float | None, Range(0, open_low=True)] = None,
+                 on_failure: Annotated[str, OneOf("stop", "continue")] = "stop",
+                 dropout_fraction: Annotated[float, Range(0, 1, open_high=True)] = 0.0,
+                 dropout_clients: Annotated[list[int] | None, Satisfies(_ids, "a list of partition ids")] = None,
+                 dropout_stage: Annotated[str, OneOf(*STAGES)] = Stage.COLLECT_MASKED_VECTORS,
+                 dropout_rounds: Annotated[list[int] | None, Satisfies(_rounds, "a list of round numbers >= 1 "
+                                                                                 "(unset: every round)")] = None):
+        # (the limits between parameters are checked in validate_config)
         clients = [] if dropout_clients is None else dropout_clients
-        if not isinstance(clients, list) or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0
-                                                    for c in clients):
-            raise ValueError(f"channel.dropout_clients must be a list of partition ids, got {dropout_clients!r}")
-        if dropout_stage not in STAGES:
-            raise ValueError(f"channel.dropout_stage must be one of {list(STAGES)}, got {dropout_stage!r}")
         rounds = dropout_rounds
-        if rounds is not None and not (isinstance(rounds, list) and all(
-                isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in rounds)):
-            raise ValueError(f"channel.dropout_rounds must be a list of round numbers >= 1 (unset: every "
-                             f"round), got {dropout_rounds!r}")
         self.num_shares, self.threshold = num_shares, reconstruction_threshold
         self.clipping_range, self.quantization_range = float(clipping_range), int(quantization_range)
         self.modulus_range, self.max_weight = int(modulus_range), float(max_weight)
@@ -158,6 +141,12 @@ class SecAggPlusChannel(ServerChannel):
 
     # ---- configuration --------------------------------------------------------------------------------
     def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        if isinstance(self.threshold, int) and isinstance(self.num_shares, int) and self.threshold >= self.num_shares:
+            raise ValueError(f"channel.reconstruction_threshold ({self.threshold}) must be below "
+                             f"channel.num_shares ({self.num_shares})")
+        if self.modulus_range <= self.quantization_range:
+            raise ValueError(f"channel.modulus_range must be a power of 2 above quantization_range and at most "
+                             f"2^32, got {self.modulus_range}")
         per_node = int(cfg.get("simulation", {}).get("clients_per_node", 1) or 1)
         if per_node > 1:
             raise ValueError(f"simulation.clients_per_node = {per_node} is not supported: Flower's SecAgg+ "

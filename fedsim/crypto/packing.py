@@ -32,22 +32,25 @@ last plaintext must decode to 0; both are checked too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated, Any
 
 import numpy as np
 
+from fedsim.components import check_value
 from fedsim.crypto.errors import IntegrityError
 from fedsim.crypto.quantize import MAX_BITS, MIN_BITS
+from fedsim.params import Constraint, Range
 
 MAX_SLOT_BITS = 62
 MAX_TOTAL_WEIGHT = 1 << 30
 
 
-def _check_int(name: str, value, low: int, high: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low \
-            or (high is not None and value > high):
-        rng = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be an integer {rng}, got {value!r}")
-    return int(value)
+def _int(key: str, value: Any, *limits: Constraint) -> int:
+    """``value`` as an int within ``limits``, by the one parameter check (:func:`fedsim.components.check_value`):
+    a one-line ValueError naming ``key`` otherwise. NumPy integers count as integers."""
+    value = int(value) if isinstance(value, np.integer) else value
+    check_value(key, value, Annotated[(int, *limits)])
+    return value
 
 
 def required_slot_bits(bits: int, max_total_weight: int) -> int:
@@ -92,14 +95,14 @@ def packing_layout(key_bits: int, bits: int, max_total_weight: int, *, slot_bits
     ``key_bits - 1`` bits next to the canary. Explicit values that are too small (``slot_bits``) or too
     many (``slots``) are refused.
     """
-    key_bits = _check_int("channel.key_bits", key_bits, 16)
-    bits = _check_int("channel.bits", bits, MIN_BITS, MAX_BITS)
-    max_total_weight = _check_int("channel.max_total_weight", max_total_weight, 1, MAX_TOTAL_WEIGHT)
+    key_bits = _int("channel.key_bits", key_bits, Range(16))
+    bits = _int("channel.bits", bits, Range(MIN_BITS, MAX_BITS))
+    max_total_weight = _int("channel.max_total_weight", max_total_weight, Range(1, MAX_TOTAL_WEIGHT))
     need = required_slot_bits(bits, max_total_weight)  # <= 62 since bits <= 32 and weight <= 2**30
     if slot_bits is None:
         slot_bits = need
     else:
-        slot_bits = _check_int("channel.slot_bits", slot_bits, 1, MAX_SLOT_BITS)
+        slot_bits = _int("channel.slot_bits", slot_bits, Range(1, MAX_SLOT_BITS))
         if slot_bits < need:
             raise ValueError(
                 f"channel.slot_bits={slot_bits} could overflow: a weighted sum of {bits}-bit values with "
@@ -112,7 +115,7 @@ def packing_layout(key_bits: int, bits: int, max_total_weight: int, *, slot_bits
     if slots is None:
         slots = room
     else:
-        slots = _check_int("channel.slots", slots, 1)
+        slots = _int("channel.slots", slots, Range(1))
         if slots > room:
             raise ValueError(
                 f"channel.slots={slots} could overflow the plaintext modulus: {slots} values + canary of "
@@ -166,8 +169,8 @@ def unpack(plaintexts: list[int], layout: PackingLayout, count: int, total_weigh
     ``"canary"``, ``"padding"``) when the plaintexts cannot be a weighted sum of packed values with that
     total weight: wrong key, corrupted ciphertext, wrong weight, reordered ciphertexts.
     """
-    total_weight = _check_int("total_weight", total_weight, 1, layout.max_total_weight)
-    count = _check_int("count", count, 1)
+    total_weight = _int("total_weight", total_weight, Range(1, layout.max_total_weight))
+    count = _int("count", count, Range(1))
     n_pt = layout.num_plaintexts(count)
     if len(plaintexts) != n_pt:
         raise IntegrityError("count", f"{len(plaintexts)} plaintexts for {count} values, expected {n_pt}")

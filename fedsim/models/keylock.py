@@ -30,8 +30,12 @@ Every key-lock entry of a locked model's state dict has a name part starting wit
 (``keylock_``): ``<block>.keylock_key`` (the key buffer), ``<block>.keylock_gamma.weight|bias`` and
 ``<block>.keylock_beta.weight|bias`` (the lock). :func:`is_private` tells them apart.
 
-Also here, shared by the client defense (``clients/fedkl.py``), the server's random-key evaluation
-(``fedsim/keylock_eval.py``) and the attacker-side ablation (``attacks/fedkl.py``):
+Why this module is in the core: FedKL is one plugin package, :mod:`clients.fedkl` (the defense and its
+server-side random-key evaluation), but the curious server's threat-model ablation (``[[attack.knowledge]]
+name = "fedkl"``, ``attacks/fedkl.py``) rebuilds the same locked architecture on the attacker side, and
+attacks may not import clients. So what both sides build on is this small vocabulary: the key-lock layer
+and how it is put into a model, the key-lock entry names, the names of the lock-leak ablation's reply
+arrays, and the secrets that are pure functions of the run seed:
 
 * :func:`client_key` - a client's key as a pure function of (run seed, partition id), so that runs are
   reproducible; only the key ablation of the curious server ever re-creates it on the server side;
@@ -58,7 +62,7 @@ DEFAULT_KEY_LENGTH = 1024
 # weights (C its channels); a key of 1e11 values would be a 745 GiB allocation on every client
 MAX_KEY_LENGTH = 65536
 DEFAULT_BLOCKS = "first"
-# reply arrays of the lock-leak ablation (clients/fedkl.py ``leak_lock = true``): never sent otherwise
+# reply arrays of the lock-leak ablation (clients.fedkl ``leak_lock = true``): never sent otherwise
 LEAK_START = "ablation.fedkl.lock-start."
 LEAK_END = "ablation.fedkl.lock-end."
 
@@ -325,8 +329,3 @@ def client_key(seed: int, client: int, length: int = DEFAULT_KEY_LENGTH) -> np.n
 def random_key(seed: int, length: int = DEFAULT_KEY_LENGTH, salt: int = 0) -> np.ndarray:
     """A key no client holds (U[0, 1), like the clients' keys), from (seed, salt)."""
     return np.random.default_rng(_derive(seed, _RANDOM_KEY_SALT, salt)).random(length).astype(np.float32)
-
-
-def lock_parameter_count(model: nn.Module) -> int:
-    """Number of lock-layer parameters (Table 5.3's numerator)."""
-    return sum(p.numel() for n, p in model.named_parameters() if is_private(n))

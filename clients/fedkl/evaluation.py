@@ -1,6 +1,6 @@
 """Server-side evaluation for FedKL (seed 003, Table 5.3) and the config check of the key-lock module.
 
-The FedKL defense (``clients/fedkl.py``) keeps every key and lock on its client, so the server's global
+The FedKL defense (:mod:`clients.fedkl.defense`) keeps every key and lock on its client, so the server's global
 model is the base architecture. :class:`RandomKeyEvaluation` (observer ``fedkl-random-key``, added by
 the defense through ``Defense.server_observers``) evaluates, after every round, the global model with a
 key-lock module fed a *random* key (:func:`fedsim.models.keylock.random_key`, a key no client holds)

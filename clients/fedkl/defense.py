@@ -32,7 +32,7 @@ lock, as the thesis measures it (its code tests each client's model before the r
 reported as ``own_key_accuracy`` / ``own_key_loss``; ``"after"`` local training - the client's own
 trained model - as ``own_key_after_training_accuracy`` / ``own_key_after_training_loss``. ``evaluate =
 "both"`` (default) reports both, ``"none"`` neither. The defense asks the server for the
-``fedkl-random-key`` observer (:mod:`fedsim.keylock_eval`): the global model with a random key and the
+``fedkl-random-key`` observer (:mod:`clients.fedkl.evaluation`): the global model with a random key and the
 initial lock (Table 5.3's "Random" row), the clients' mean, min and max and the thesis's Table 5.1
 number (the best per-round mean over the clients) in every ``metrics.jsonl`` row.
 
@@ -51,15 +51,17 @@ the lock's weights at the start and at the end of the round as extra arrays name
 from __future__ import annotations
 
 import secrets
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
 import numpy as np
 import torch
 from torch import nn
 
 from fedsim.defense import Defense, DefenseContext, register
-from fedsim.keylock_eval import RandomKeyEvaluation, check_model
 from fedsim.models import keylock
+from fedsim.params import OneOf
+
+from .evaluation import RandomKeyEvaluation, check_model
 
 KEY_SOURCES = ("seeded", "os")
 EVALUATE = ("both", "before", "after", "none")
@@ -79,15 +81,12 @@ class FedKL(Defense):
     name = "fedkl"
 
     def __init__(self, blocks: str | list[Any] = keylock.DEFAULT_BLOCKS,
-                 key_length: int = keylock.DEFAULT_KEY_LENGTH, key_source: str = "seeded",
-                 evaluate: str = "both", lock_activation: str = "none", average_norm_stats: bool = False,
+                 key_length: int = keylock.DEFAULT_KEY_LENGTH,
+                 key_source: Annotated[str, OneOf(*KEY_SOURCES)] = "seeded",
+                 evaluate: Annotated[str, OneOf(*EVALUATE)] = "both", lock_activation: str = "none", average_norm_stats: bool = False,
                  leak_lock: bool = False, cfg: Mapping[str, Any] | None = None):
         self.blocks = keylock.check_blocks(blocks)
         key_length = keylock.check_key_length(key_length)
-        if key_source not in KEY_SOURCES:
-            raise ValueError(f"key_source must be one of {list(KEY_SOURCES)}, got {key_source!r}")
-        if evaluate not in EVALUATE:
-            raise ValueError(f"evaluate must be one of {list(EVALUATE)}, got {evaluate!r}")
         self.key_length, self.key_source, self.evaluate = int(key_length), key_source, evaluate
         self.lock_activation = keylock.check_activation(lock_activation)
         self.average_norm_stats = bool(average_norm_stats)
@@ -158,7 +157,8 @@ class FedKL(Defense):
                     # (Context.state stores 0-d arrays, e.g. num_batches_tracked, with shape (1,))
                     sd[k].copy_(torch.as_tensor(np.asarray(v)).reshape(sd[k].shape).to(sd[k].dtype))
         self._start = {k: v.detach().cpu().numpy().copy() for k, v in keylock.lock_entries(model).items()}
-        n_lock = keylock.lock_parameter_count(model)
+        # Table 5.3's numerator: the lock layers' parameters
+        n_lock = sum(p.numel() for n, p in model.named_parameters() if keylock.is_private(n))
         self._metrics = {"lock_parameters": float(n_lock),
                          "lock_fraction": n_lock / max(sum(p.numel() for p in model.parameters()), 1)}
         self._evaluate(model, ctx, "before")
