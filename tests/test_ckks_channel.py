@@ -39,6 +39,23 @@ def test_the_parameters_are_128_bit_and_seal_enforces_it():
     assert ckks.fingerprint(public) != ckks.fingerprint(ckks.make_keys()[0])
 
 
+def test_keys_made_before_the_key_id_still_load_check_and_encrypt():
+    """Keys from before secret-key encryption (bare TenSEAL contexts, the public one holding the public key),
+    as a resumed run's client state may hold them: checked, and both contexts encrypt what the private one
+    decrypts."""
+    ctx = ts.context(ts.SCHEME_TYPE.CKKS, 8192, coeff_mod_bit_sizes=list(ckks.COEFF_MOD_BIT_SIZES))
+    ctx.global_scale = 2.0 ** ckks.SCALE_BITS
+    public = ctx.serialize(save_public_key=True, save_secret_key=False, save_galois_keys=False, save_relin_keys=False)
+    private = ctx.serialize(save_public_key=True, save_secret_key=True, save_galois_keys=False, save_relin_keys=False)
+    ckks.check_keys(public, private)
+    with pytest.raises(ValueError, match="does not belong"):
+        ckks.check_keys(public, ckks.make_keys()[1])
+    x = np.linspace(-0.5, 0.5, 100)
+    for key in (public, private):
+        got = ckks.decode(private, ckks.combine(public, [ckks.encode(key, x, public)], [1.0], 100), 100)
+        assert np.abs(got - x).max() <= ckks.error_bound()
+
+
 def test_the_weighted_mean_is_within_the_documented_error_on_random_inputs():
     public, private = ckks.make_keys()
     rng = np.random.default_rng(0)
