@@ -120,7 +120,7 @@ def measure(grid_for, args: argparse.Namespace, channels=CHANNELS) -> dict:
             phases[name].clear()
             t0, c0 = time.perf_counter(), time.process_time()
             states[name], record = s.engine.run_round(grids[name], rnd, states[name])
-            ev = s.evaluate(grids[name], states[name], record)
+            ev = s.evaluator.evaluate(grids[name], states[name], record)
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
             exchanged = sum(phases[name].values())
@@ -200,7 +200,7 @@ def memory_child(channel: str, args: argparse.Namespace) -> None:
     s = servers[channel]
     for rnd in (1, 2):
         states[channel], record = s.engine.run_round(grid, rnd, states[channel])
-        s.evaluate(grid, states[channel], record)
+        s.evaluator.evaluate(grid, states[channel], record)
     print(json.dumps({"channel": channel, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                       "added_mb": _rss_mb() - before}))
 

@@ -12,7 +12,9 @@ so a model costs no precision and needs no state on the clients.
 The secret key never reaches the server: one client makes the key pair and seals the private context for
 the others (``fedsim.keydelivery``, as the Paillier channel's key). Every client keeps its X25519 private
 key and, once delivered, the CKKS private context in Flower's ``Context.state``; neither is ever put in a
-reply. Integer buffers (``num_batches_tracked``) travel in no form and restart at zero. Parameters (fixed, 128-bit security):
+reply. The clients encrypt with that secret key (secret-key encryption; the public context the server holds
+carries the parameters and a key id, no key) and a process decrypts a global model once for all the clients
+it runs (``fedsim.crypto.decoded``). Integer buffers (``num_batches_tracked``) travel in no form and restart at zero. Parameters (fixed, 128-bit security):
 N = 8192, coefficient moduli 60/40/60 bits, scale 2**40 (docs/paillier.md, "The CKKS channel").
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from flwr.app import ConfigRecord, Context, RecordDict
 from channels.initial_model import InitialModel
 from fedsim.components import CHANNELS
 from fedsim.crypto import ckks
+from fedsim.crypto.decoded import DECODED
 from fedsim.crypto.errors import IntegrityError
 from fedsim.keydelivery import SealedKeyClient, SealedKeyServer
 from fedsim.protocol import ARRAYS, CHANNEL, ENCRYPT_SECONDS, PAYLOAD, arrays_record, decode_arrays
@@ -33,6 +36,7 @@ from fedsim.replies import ChannelError, ModelSpec, Reply
 from fedsim.seams import WEIGHTED_SUM, ClientChannel, RoundContext, ServerChannel
 
 _STATE_MAGIC = b"FSCS1"
+_READ = "ckks.read"  # Reply.extra: the payload's ciphertexts, as check_reply read them
 
 
 class CkksModel:
@@ -67,7 +71,10 @@ class CkksClientChannel(SealedKeyClient, ClientChannel):
             return decode_arrays(content[ARRAYS])
         floating = [k for k, v in template.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
         num = sum(int(np.asarray(template[k]).size) for k in floating)
-        flat = ckks.decode(self._key(context, self.secret_field), bytes(ch[PAYLOAD]), num)
+        private, payload = self._key(context, self.secret_field), bytes(ch[PAYLOAD])
+        # one decryption per process for all the clients it runs (they hold the same key: fedsim.crypto.decoded)
+        flat = DECODED.get(ckks.fingerprint(self._key(context, self.public_field)), payload, str(num),
+                           lambda: ckks.decode(private, payload, num))
         out, i = [], 0
         for k, v in template.items():
             v = np.asarray(v)
@@ -82,7 +89,9 @@ class CkksClientChannel(SealedKeyClient, ClientChannel):
         floating = [np.asarray(a, dtype=np.float64).ravel() for a in arrays
                     if np.issubdtype(np.asarray(a).dtype, np.floating)]
         t0 = time.perf_counter()
-        payload = ckks.encode(self._key(context, self.public_field), np.concatenate(floating))
+        # with the secret key every client holds (secret-key encryption; fedsim.crypto.ckks.make_keys)
+        payload = ckks.encode(self._key(context, self.secret_field), np.concatenate(floating),
+                              public=self._key(context, self.public_field))
         return {CHANNEL: ConfigRecord({PAYLOAD: payload, ENCRYPT_SECONDS: time.perf_counter() - t0})}
 
 
@@ -126,12 +135,12 @@ class CkksChannel(InitialModel, SealedKeyServer, ServerChannel):
             return {CHANNEL: self.channel_record(**{PAYLOAD: state.payload})}
         return {ARRAYS: arrays_record(self.names, state), CHANNEL: self.channel_record()}
 
-    def check_payload(self, payload: bytes) -> None:
+    def check_payload(self, payload: bytes) -> list[Any]:
         """A client's payload against the channel: the key fingerprint, the model's value count, one
         fresh ciphertext (2 polynomials, both data primes, scale 2**40) per 4096 values, each readable with
         the public context. Raises :class:`ChannelError` naming the field."""
         try:
-            ckks.verify(self.public_bytes, payload, self.num_values)
+            return ckks.verify(self.public_bytes, payload, self.num_values)
         except IntegrityError as exc:
             raise ChannelError(f"payload rejected ({exc.field}): {exc}") from None
 
@@ -143,7 +152,7 @@ class CkksChannel(InitialModel, SealedKeyServer, ServerChannel):
         payload = rec[PAYLOAD]
         if not isinstance(payload, bytes):
             raise ChannelError(f"payload rejected (type): {type(payload).__name__}, not bytes")
-        self.check_payload(payload)
+        reply.extra[_READ] = self.check_payload(payload)  # read once here, combined as often as the rule asks
         reply.extra[PAYLOAD] = payload
         v = rec.get(ENCRYPT_SECONDS)
         if isinstance(v, float) and np.isfinite(v) and v >= 0:
@@ -152,8 +161,8 @@ class CkksChannel(InitialModel, SealedKeyServer, ServerChannel):
     def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> CkksModel:
         t0 = time.perf_counter()
         total = float(sum(weights))
-        payload = ckks.combine(self.public_bytes, [r.extra[PAYLOAD] for r in replies],
-                               [float(w) / total for w in weights], self.num_values)
+        payload = ckks.combine_read(self.public_bytes, [r.extra[_READ] for r in replies],
+                                    [float(w) / total for w in weights], self.num_values)
         enc = [r.extra[ENCRYPT_SECONDS] for r in replies if ENCRYPT_SECONDS in r.extra]
         self._metrics = {"combine_seconds": time.perf_counter() - t0, "payload_bytes": float(len(payload)),
                          "encrypt_seconds_mean": float(np.mean(enc)) if enc else float("nan"),

@@ -95,6 +95,7 @@ ROUNDS = "rounds"  # the round each of PAYLOADS is the aggregate update of (upda
 BASE = "base"  # the round whose global model PAYLOADS' updates start from (0: the initial model, in ARRAYS)
 RANGE_EXPONENT = "range-exponent"  # train reply (update encryption): e with max|update| <= 2**e; no payload yet
 CLIP = "clip"  # channel setup "encrypt": the round's common clipping range 2**max(e) the clients encrypt at
+ROUND_WEIGHT = "round-weight"  # channel setup "encrypt": the round's largest total weight (fixes the packing layout)
 HELD_ROUND = "held-round"  # channel setup "advance" reply: the round whose global model the client now holds
 DECRYPT_SECONDS = "decrypt-seconds"  # channel setup "advance" reply: the client's time to decode what it got
 

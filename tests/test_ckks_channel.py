@@ -32,6 +32,28 @@ def test_the_parameters_are_128_bit_and_seal_enforces_it():
     ckks.check_keys(public, private)
     with pytest.raises(ValueError, match="does not belong"):
         ckks.check_keys(public, ckks.make_keys()[1])
+    # secret-key encryption: the public context (what the server holds) holds no key and cannot encrypt;
+    # its key id makes every key's fingerprint its own
+    with pytest.raises(ValueError, match="encryption"):
+        ckks.encode(public, np.ones(8))
+    assert ckks.fingerprint(public) != ckks.fingerprint(ckks.make_keys()[0])
+
+
+def test_keys_made_before_the_key_id_still_load_check_and_encrypt():
+    """Keys from before secret-key encryption (bare TenSEAL contexts, the public one holding the public key),
+    as a resumed run's client state may hold them: checked, and both contexts encrypt what the private one
+    decrypts."""
+    ctx = ts.context(ts.SCHEME_TYPE.CKKS, 8192, coeff_mod_bit_sizes=list(ckks.COEFF_MOD_BIT_SIZES))
+    ctx.global_scale = 2.0 ** ckks.SCALE_BITS
+    public = ctx.serialize(save_public_key=True, save_secret_key=False, save_galois_keys=False, save_relin_keys=False)
+    private = ctx.serialize(save_public_key=True, save_secret_key=True, save_galois_keys=False, save_relin_keys=False)
+    ckks.check_keys(public, private)
+    with pytest.raises(ValueError, match="does not belong"):
+        ckks.check_keys(public, ckks.make_keys()[1])
+    x = np.linspace(-0.5, 0.5, 100)
+    for key in (public, private):
+        got = ckks.decode(private, ckks.combine(public, [ckks.encode(key, x, public)], [1.0], 100), 100)
+        assert np.abs(got - x).max() <= ckks.error_bound()
 
 
 def test_the_weighted_mean_is_within_the_documented_error_on_random_inputs():
@@ -39,7 +61,7 @@ def test_the_weighted_mean_is_within_the_documented_error_on_random_inputs():
     rng = np.random.default_rng(0)
     xs = [rng.normal(0, 0.5, 5000) for _ in range(5)]  # two ciphertexts each (4096 + 904 values)
     w = rng.random(5)
-    payload = ckks.combine(public, [ckks.encode(public, x) for x in xs], w / w.sum(), 5000)
+    payload = ckks.combine(public, [ckks.encode(private, x, public) for x in xs], w / w.sum(), 5000)
     err = np.abs(ckks.decode(private, payload, 5000) - sum(wi / w.sum() * x for wi, x in zip(w, xs)))
     assert 0 < err.max() <= ckks.error_bound(), err.max()
 
@@ -58,6 +80,21 @@ def test_the_decrypted_aggregate_is_the_plaintext_one_within_the_bound(small_cfg
 def _client_state(grid, partition):
     nid = next(n for n, p in grid.nodes.items() if p == partition)
     return {k: bytes(v) for k, v in grid.contexts[nid].state[STATE_CHANNEL].items()}
+
+
+def test_a_process_decrypts_each_global_model_once_for_all_its_clients(small_cfg, monkeypatch):
+    """fedsim.crypto.decoded: the in-process grid runs all 4 clients in one process; round 2's 4 train
+    messages and round 1's evaluator carry the same combined payload, decrypted once; round 2's evaluator
+    decrypts the new one. Every decryption goes through ``ckks.decode``, counted here."""
+    calls = []
+    real = ckks.decode
+    monkeypatch.setattr(ckks, "decode", lambda *a: calls.append(a[1]) or real(*a))
+    grid, server, state, summary = _run_inprocess(small_cfg(*TABULAR, "federation.rounds=2", *CKKS))
+    assert summary["client_failures"] == 0
+    carried = [bytes(m.content[CHANNEL][PAYLOAD]) for m in grid.messages_sent
+               if m.has_content() and CHANNEL in m.content and PAYLOAD in m.content[CHANNEL]]
+    assert len(carried) >= 5 and len(set(carried)) == 2  # 4 train messages and 2 evaluations, 2 payloads
+    assert sorted(calls) == sorted(set(carried)) and calls[-1] == state.payload
 
 
 def test_no_message_and_no_server_object_holds_the_secret_key(small_cfg, recorder):
@@ -98,12 +135,13 @@ class TamperCkks:
             return reply
         rec = reply.content[CHANNEL]
         payload = bytes(rec[PAYLOAD])
-        public = {k: bytes(v) for k, v in context.state[STATE_CHANNEL].items()}["ckks-public"]
+        keys = {k: bytes(v) for k, v in context.state[STATE_CHANNEL].items()}
+        public = keys["ckks-public"]
         num = int.from_bytes(payload[5:13], "big")
         if how == "wrong-key":
-            payload = ckks.encode(ckks.make_keys()[0], np.ones(num))
+            payload = ckks.encode(ckks.make_keys()[1], np.ones(num))
         elif how == "count":
-            payload = ckks.encode(public, np.ones(num - 1))
+            payload = ckks.encode(keys["ckks-private"], np.ones(num - 1), public)
         elif how == "truncated":
             payload = payload[:-9]
         elif how == "not-fresh":  # a combination (one level spent) replayed as a client's payload

@@ -78,18 +78,21 @@ def _keys(grid, partition=0):
     return public, private_key_from_bytes(st["paillier-private"], public)
 
 
-def _codec(grid, server, clip):
-    """The test's god view: a codec holding client 0's copy of the private key, at ``clip``."""
+def _codec(grid, server, clip, max_total_weight=None):
+    """The test's god view: a codec holding client 0's copy of the private key, at ``clip`` (and the layout of
+    ``max_total_weight``, default the channel's largest)."""
     public, private = _keys(grid)
     ch = server.engine.channel
-    return PaillierCodec(public, Quantizer(bits=ch.quantizer.bits, clip=clip), ch.max_total_weight(server.cfg),
-                         private_key=private, packed=ch.packed, slots=ch.slots)
+    return PaillierCodec(public, Quantizer(bits=ch.quantizer.bits, clip=clip),
+                         max_total_weight or ch.max_total_weight(server.cfg), private_key=private, packed=ch.packed,
+                         slots=ch.slots)
 
 
 def _decrypt_head(grid, server, state):
     """The round's decrypted combination (flat float64): the aggregate update, or the model (encrypt = model)."""
-    clip = parse_header(state.head).clip
-    return _codec(grid, server, clip).decode(state.head, [(server.engine.channel.num_values,)])[0], clip
+    h = parse_header(state.head)
+    codec = _codec(grid, server, h.clip, h.max_total_weight)
+    return codec.decode(state.head, [(server.engine.channel.num_values,)])[0], h.clip
 
 
 def _global_model(grid, server, state):
@@ -215,7 +218,7 @@ def test_integer_weights_are_reduced_by_their_common_divisor_exactly():
 def test_a_process_decrypts_an_aggregate_once_for_all_its_clients():
     """The per-process decryption cache: the second client of a process gets the same integers (read-only)
     without decrypting; other settings or another payload decrypt again."""
-    import channels.paillier.client as cp
+    from fedsim.crypto.decoded import DecodedCache
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -223,14 +226,26 @@ def test_a_process_decrypts_an_aggregate_once_for_all_its_clients():
     codec = PaillierCodec(pk, Quantizer(bits=16, clip=0.5), 64, private_key=sk)
     xs = [np.linspace(-0.4, 0.4, 50), np.linspace(0.3, -0.2, 50)]
     agg = codec.combine([codec.encode([x]) for x in xs], [1, 3])
-    cache = cp._Decrypted(size=2)
-    a = cache.get(codec, agg, 50, "s")
-    b = cache.get(codec, agg, 50, "s")
-    assert b is a and cache.hits == 1 and not a.flags.writeable
+    cache, fp, calls = DecodedCache(size=2), pl.key_fingerprint(pk), []
+
+    def get(payload, settings="s", key=fp):
+        return cache.get(key, payload, settings, lambda: calls.append(1) or codec.decode(payload, [(50,)])[0])
+
+    a = get(agg)
+    b = get(agg)
+    assert b is a and cache.hits == 1 and len(calls) == 1 and not a.flags.writeable
     np.testing.assert_array_equal(a, codec.decode(agg, [(50,)])[0])
-    cache.get(codec, agg, 50, "other settings")
-    cache.get(codec, codec.encode([xs[0]]), 50, "s")
-    assert cache.hits == 1 and len(cache.items) == 2  # the oldest went
+    get(agg, "other settings")
+    get(codec.encode([xs[0]]))
+    assert cache.hits == 1 and len(cache.items) == 2 and len(calls) == 3  # the oldest went
+    get(agg, key=b"another key")  # another key's holder decrypts for itself
+    assert len(calls) == 4
+    # the key objects too: made once per process from the key bytes, for every client holding them
+    from channels.paillier.client import _load_keys
+
+    pub, priv = pl.public_key_to_bytes(pk), private_key_to_bytes(sk)
+    first = _load_keys(pub, priv)
+    assert _load_keys(bytes(pub), bytes(priv)) is first and first[1].p == sk.p and first[0].n == pk.n
 
 
 def test_the_aggregate_sent_ahead_leaves_the_models_as_they_were_and_lightens_the_next_train(small_cfg):
@@ -263,6 +278,36 @@ def test_the_aggregate_sent_ahead_leaves_the_models_as_they_were_and_lightens_th
         np.testing.assert_array_equal(a, b)
     timing = lambda row: {k: v for k, v in row.items() if "seconds" not in k and "obfuscators" not in k}  # noqa: E731
     assert [timing(r) for r in server.rows] == [timing(r) for r in runs["false"][1].rows]
+
+
+def test_the_layout_follows_the_rounds_total_weight_and_decodes_the_same(small_cfg):
+    """``round_layout``: under FedAvg the clip exchange announces the round's total weight (the example counts
+    over their gcd), the clients pack at it - more values per ciphertext - and every client holds the same
+    global model, bit for bit, as with the channel's largest total weight (the same exact integer sums);
+    the server refuses weights above the announced total before combining."""
+    from fedsim.protocol import CHANNEL_SETUP, CONFIG, ROUND_WEIGHT, STAGE
+
+    runs = {}
+    for on in ("true", "false"):
+        cfg = small_cfg(*TABULAR, "federation.rounds=2", *paillier(f"channel.round_layout={on}"))
+        runs[on] = grid, server, state, summary = _run_inprocess(cfg)
+        assert summary["client_failures"] == 0
+    grid, server, state, _ = runs["true"]
+    announced = [int(m.content[CHANNEL][ROUND_WEIGHT]) for m in grid.messages_sent
+                 if m.metadata.message_type == CHANNEL_SETUP and m.content[CONFIG].get(STAGE) == "encrypt"]
+    ch = server.engine.channel
+    assert len(announced) == 2 * 4 and all(1 <= w <= ch.precision for w in announced)
+    # the total of the weights the round combined with (every client aggregated) is what was announced
+    assert [server.rows[r]["channel.total_weight"] for r in (1, 2)] == [announced[0], announced[-1]]
+    h, h_off = parse_header(state.head), parse_header(runs["false"][2].head)
+    assert h.max_total_weight == announced[-1] < h_off.max_total_weight == ch.max_total_weight(server.cfg)
+    assert h.slots > h_off.slots and h.num_ciphertexts < h_off.num_ciphertexts
+    assert server.rows[2]["channel.values_per_ciphertext"] == h.slots
+    for a, b in zip(_global_model(grid, server, state), _global_model(*runs["false"][:3])):
+        np.testing.assert_array_equal(a, b)
+    ch._mtw = 3  # a rule whose weights exceed the announced total: a clear refusal, not a wrong decode
+    with pytest.raises(RuntimeError, match="largest total weight 3"):
+        ch.weighted_mean([], [2.0, 3.0])
 
 
 def test_packed_and_per_element_decrypt_to_the_same_aggregate(small_cfg):

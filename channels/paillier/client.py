@@ -21,7 +21,6 @@ charge the round N times that).
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import threading
 import time
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
+from fedsim.crypto.decoded import DECODED
 from fedsim.crypto.paillier import (
     ObfuscatorPool,
     PaillierCodec,
@@ -60,6 +60,7 @@ from fedsim.protocol import (
     PAYLOAD,
     PAYLOADS,
     RANGE_EXPONENT,
+    ROUND_WEIGHT,
     ROUNDS,
     STATE_CHANNEL_MODEL,
     STATE_CHANNEL_PENDING,
@@ -106,38 +107,20 @@ class _Pools:
 POOLS = _Pools()
 
 
-class _Decrypted:
-    """The decoded weighted means of the payloads this process decrypted lately, by payload digest and
-    settings (see the module docstring)."""
-
-    def __init__(self, size: int = 32) -> None:
-        self.items: collections.OrderedDict[tuple[bytes, str], np.ndarray] = collections.OrderedDict()
-        self.size = size
-        self.lock = threading.Lock()
-        self.hits = 0
-
-    def get(self, codec: PaillierCodec, payload: bytes, num_values: int, settings: str) -> np.ndarray:
-        key = (hashlib.sha256(payload).digest(), f"{settings}|{num_values}")
-        with self.lock:
-            if key in self.items:
-                self.items.move_to_end(key)
-                self.hits += 1
-                return self.items[key]
-        values = codec.decode(payload, [(num_values,)])[0]
-        values.setflags(write=False)
-        with self.lock:
-            self.items[key] = values
-            while len(self.items) > self.size:
-                self.items.popitem(last=False)
-        return values
-
-
-DECRYPTED = _Decrypted()
 
 
 @lru_cache(maxsize=8)
 def _settings(codec: str) -> dict[str, Any]:
     return json.loads(codec)
+
+
+@lru_cache(maxsize=4)
+def _load_keys(public: bytes, private: bytes | None) -> tuple[Any, Any]:
+    """The key objects of a client's key bytes, made once per process (``phe``'s private key precomputes its
+    CRT constants: ~10 ms a time, three times per client and round); client processes only, like
+    :data:`POOLS`, which holds the same private key."""
+    pk = public_key_from_bytes(public)
+    return pk, (private_key_from_bytes(private, pk) if private is not None else None)
 
 
 def _floating(template: Mapping[str, np.ndarray]) -> list[str]:
@@ -170,9 +153,7 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
         state = self.channel_state(context)
         if _PUBLIC not in state or (need_private and _PAILLIER not in state):
             raise RuntimeError("Paillier channel: this client holds no key (key delivery failed)")
-        public = public_key_from_bytes(state[_PUBLIC])
-        private = private_key_from_bytes(state[_PAILLIER], public) if _PAILLIER in state else None
-        return public, private
+        return _load_keys(bytes(state[_PUBLIC]), bytes(state[_PAILLIER]) if _PAILLIER in state else None)
 
     @staticmethod
     def _codec(s: Mapping[str, Any], public: Any, private: Any, clip: float) -> PaillierCodec:
@@ -196,8 +177,13 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
         num = sum(int(np.asarray(template[k]).size) for k in floating)
 
         def mean(payload: bytes) -> np.ndarray:
-            codec = self._codec(s, public, private, parse_header(payload).clip)
-            return DECRYPTED.get(codec, payload, num, self._codec_text)
+            h = parse_header(payload)  # the layout follows its round's total weight, never above the channel's
+            if not 1 <= h.max_total_weight <= s["max_total_weight"]:
+                raise RuntimeError(f"Paillier channel: an aggregate with max_total_weight {h.max_total_weight}, "
+                                   f"outside [1, {s['max_total_weight']}]")
+            codec = self._codec({**s, "max_total_weight": h.max_total_weight}, public, private, h.clip)
+            return DECODED.get(key_fingerprint(public), payload, f"{self._codec_text}|{num}",
+                               lambda: codec.decode(payload, [(num,)])[0])
 
         start = base
         if base < 0:  # the whole model was encrypted
@@ -276,7 +262,14 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
         update = context.state[STATE_CHANNEL_PENDING][_UPDATE].numpy()
         del context.state[STATE_CHANNEL_PENDING]
         ch = msg.content[CHANNEL]
-        return RecordDict(self._encrypt(context, _settings(str(ch[CODEC])), [update], float(ch[CLIP])))
+        s = _settings(str(ch[CODEC]))
+        if ROUND_WEIGHT in ch:  # the round's total weight, known to the server once the clients replied
+            weight = ch[ROUND_WEIGHT]
+            if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= s["max_total_weight"]:
+                raise RuntimeError(f"Paillier channel: {ROUND_WEIGHT} {str(weight)[:40]} outside "
+                                   f"[1, {s['max_total_weight']}]")
+            s = {**s, "max_total_weight": weight}
+        return RecordDict(self._encrypt(context, s, [update], float(ch[CLIP])))
 
     def _advance(self, msg: Message, context: Context) -> RecordDict:
         if STATE_CHANNEL_MODEL in context.state:  # names, shapes and dtypes: the model this client holds ...

@@ -65,6 +65,7 @@ from fedsim.protocol import (
     PAYLOADS,
     PUBLIC_KEY,
     RANGE_EXPONENT,
+    ROUND_WEIGHT,
     ROUNDS,
     TRAIN,
     arrays_record,
@@ -88,7 +89,8 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
     ``clip`` of the quantizer (``bits`` unset: 12 for updates, 16 for models; ``clip`` unset: the updates'
     range every round, or 4.0 for models), ``overflow`` = clip | raise, ``precision`` = P of the integer
     weights, ``packed``, ``slots``, ``advance`` (send each round's aggregate ahead to the next round's
-    clients, :meth:`after_round`); see docs/paillier.md for the error bound and the overflow rule)."""
+    clients, :meth:`after_round`), ``round_layout`` (pack at the round's total weight when the clip exchange
+    makes it known, :meth:`round_total_weight`); see docs/paillier.md for the error bound and the overflow rule)."""
 
     name = "paillier"
     client = PaillierClientChannel
@@ -98,7 +100,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
     def __init__(self, key_bits: int = DEFAULT_KEY_BITS, encrypt: Annotated[str, OneOf(*ENCRYPT)] = "update",
                  bits: int | None = None, clip: float | None = None, overflow: str = "clip",
                  precision: Annotated[int, Range(1)] = 4096, packed: bool = True, slots: int | None = None,
-                 advance: bool = True):
+                 advance: bool = True, round_layout: bool = True):
         check_key_bits(key_bits)
         self.encrypt = encrypt
         self.auto_clip = clip is None and encrypt == "update"
@@ -108,6 +110,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
         self.quantizer = Quantizer(bits=bits, clip=fixed, overflow=overflow)  # ValueErrors name channel.*
         self.key_bits, self.precision, self.packed, self.slots = int(key_bits), int(precision), bool(packed), slots
         self.advance = bool(advance)
+        self.round_layout = bool(round_layout)
         self.public_key = None
         self.x0: list[np.ndarray] | None = None
         self.holder: dict[int, int] = {}  # partition -> the round whose global model it holds (update encryption)
@@ -115,6 +118,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
         self._round = 0
         self._chain: tuple[tuple[int, bytes], ...] = ()
         self._clip = self.quantizer.clip
+        self._mtw = 0  # the round's largest total weight (set in setup, then per round: round_total_weight)
 
     # ---- configuration ------------------------------------------------------------------------------
     def max_total_weight(self, cfg: Mapping[str, Any]) -> int:
@@ -143,10 +147,31 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
                                   "overflow": self.quantizer.overflow, "key_bits": self.key_bits,
                                   "max_total_weight": self.mtw, "packed": self.packed, "slots": self.slots,
                                   "encrypt": self.encrypt})
-        layout = packing_layout(self.key_bits, self.quantizer.bits, self.mtw, slots=self.slots) if self.packed else None
-        self.expected = {"mode": MODE_PACKED if self.packed else MODE_PER_ELEMENT, "bits": self.quantizer.bits,
-                         "slot_bits": layout.slot_bits if layout else 0, "slots": layout.slots if layout else 1,
-                         "key_bits": self.key_bits, "max_total_weight": self.mtw, "total_weight": 1}
+        self._mtw = self.mtw
+
+    @property
+    def expected(self) -> dict[str, Any]:
+        """The header fields of a client's payload this round (the layout follows the round's total weight)."""
+        layout = packing_layout(self.key_bits, self.quantizer.bits, self._mtw, slots=self.slots) if self.packed else None
+        return {"mode": MODE_PACKED if self.packed else MODE_PER_ELEMENT, "bits": self.quantizer.bits,
+                "slot_bits": layout.slot_bits if layout else 0, "slots": layout.slots if layout else 1,
+                "key_bits": self.key_bits, "max_total_weight": self._mtw, "total_weight": 1}
+
+    def round_total_weight(self, ctx: RoundContext, replies: Sequence[Reply]) -> int:
+        """The largest total weight this round's combinations can carry, known once the clients replied to
+        ``train``: under a rule that weights by example counts (``example_weighted_mean``, FedAvg), the
+        counts divided by their gcd when they sum to at most ``precision`` (:meth:`integer_weights`: any
+        subset of these replies - clients that fail later - has a smaller reduced sum, since a subset's gcd
+        is a multiple of the whole set's); otherwise ``precision`` plus the clients per round, as at
+        setup. Equal counts give ``len(replies)``: 16-bit slots instead of 25 at the defaults, 126 values
+        per 2048-bit plaintext instead of 80."""
+        if not (self.packed and self.round_layout) or not getattr(type(ctx.engine.rule), "example_weighted_mean", False):
+            return self.mtw
+        counts = [int(r.num_examples) for r in replies]
+        if not counts or min(counts) < 1:
+            return self.mtw
+        total = sum(counts) // math.gcd(*counts)
+        return total if total <= self.precision else self.mtw
 
     # ---- key delivery -------------------------------------------------------------------------------------
     def accept_public_key(self, public: bytes) -> bytes:
@@ -187,6 +212,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
         self._chain = tuple(zip([int(r) for r in ch[ROUNDS]], [bytes(p) for p in ch[PAYLOADS]])) \
             if self.encrypt == "update" and PAYLOADS in ch else ()
         self._clip = self.quantizer.clip
+        self._mtw = self.mtw
         shared, own = content, None
         if self.encrypt == "update" and self._chain:
             shared = RecordDict({k: v for k, v in content.items() if k not in (ARRAYS, CHANNEL)})
@@ -213,8 +239,9 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
         if not ready:
             return []
         self._clip = math.ldexp(1.0, max(exps))
+        self._mtw = self.round_total_weight(ctx, ready)
         config = self.stage_config("encrypt", ctx.round)
-        msg = RecordDict({CONFIG: config, CHANNEL: self.channel_record(**{CLIP: self._clip})})
+        msg = RecordDict({CONFIG: config, CHANNEL: self.channel_record(**{CLIP: self._clip, ROUND_WEIGHT: self._mtw})})
         done = {r.partition: r for r in ctx.send([r.partition for r in ready], CHANNEL_SETUP, msg, None,
                                                  "train encrypt")}
         out = []
@@ -316,6 +343,11 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
     def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> EncryptedModel:
         t0 = time.perf_counter()
         w = self.integer_weights(weights)
+        if sum(w) > self._mtw:  # the layout announced this round has no headroom for it (a rule's weights that
+            # are not its example counts although it says so): refused before combining, never decoded wrong
+            raise RuntimeError(f"Paillier channel: the rule's integer weights total {sum(w)}, above the round's "
+                               f"largest total weight {self._mtw} (a rule that declares example_weighted_mean must "
+                               "weight by the example counts)")
         payload = combine_read(self.public_key, [r.extra[_READ] for r in replies], w)
         enc = [r.extra.get(ENCRYPT_SECONDS) for r in replies if ENCRYPT_SECONDS in r.extra]
         total = float(sum(weights))
@@ -328,6 +360,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
                          "clipped": float(sum(r.extra.get(CLIPPED, 0.0) for r in replies)),
                          "inline_obfuscators": float(sum(r.extra.get(INLINE_OBFUSCATORS, 0.0) for r in replies)),
                          "payload_bytes": float(len(payload)), "clip": self._clip,
+                         "values_per_ciphertext": float(self.expected["slots"]),
                          # |decoded - sum_i p_i x_i| per value (docs/paillier.md): rounding, plus the
                          # integer weights' deviation from the rule's weights times the largest |value|
                          "quantization_bound": 0.5 * self._clip / step,

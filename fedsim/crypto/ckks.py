@@ -18,8 +18,9 @@ the rescaling noise, divided by the scale; with the high-probability bounds of C
 ``(B_clean + B_rescale) / 2**40`` = 6.1e-7 per value (measured: about 3e-8). Encoding rounding adds about
 1e-10, negligible.
 
-Key material: :func:`make_keys` returns the public context (public key, no secret key, no relinearisation
-or Galois keys: the channel needs neither) and the private one (with the secret key) as bytes; the
+Key material: :func:`make_keys` returns the public context (parameters and a key id, no key: the server
+needs none to weight and add ciphertexts) and the private one (the secret key; the clients encrypt with it,
+symmetrically) as bytes, neither with relinearisation or Galois keys (the channel needs neither); the
 private one is delivered to the other clients sealed (:mod:`fedsim.keydelivery`) and never reaches the
 server.
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import struct
 from functools import lru_cache
 from typing import Sequence
@@ -62,15 +64,32 @@ def error_bound(n: int = POLY_MODULUS_DEGREE, scale_bits: int = SCALE_BITS, sigm
     return (clean + rescale) / 2.0 ** scale_bits
 
 
+_KEY_MAGIC = b"FSCKKEY1"
+_KEY_ID = 32
+
+
 def make_keys() -> tuple[bytes, bytes]:
-    """A fresh CKKS key pair as ``(public context bytes, private context bytes)``."""
-    ctx = ts.context(ts.SCHEME_TYPE.CKKS, POLY_MODULUS_DEGREE, coeff_mod_bit_sizes=list(COEFF_MOD_BIT_SIZES))
+    """A fresh CKKS key as ``(public bytes, private bytes)``: ``"FSCKKEY1" | key id (32 random bytes) |
+    TenSEAL context``. The private context holds the secret key and encrypts *symmetrically* (SEAL's
+    secret-key encryption: every client holds the secret key in this protocol, and it is 3x faster than
+    public-key encryption, with less noise); the public one holds the parameters only - the server
+    deserializes, weights and adds ciphertexts, which needs no key - and the key id, which makes its
+    fingerprint that key's (a payload under another key is refused by the server)."""
+    ctx = ts.context(ts.SCHEME_TYPE.CKKS, POLY_MODULUS_DEGREE, coeff_mod_bit_sizes=list(COEFF_MOD_BIT_SIZES),
+                     encryption_type=ts.ENCRYPTION_TYPE.SYMMETRIC)
     ctx.global_scale = 2.0 ** SCALE_BITS
-    public = ctx.serialize(save_public_key=True, save_secret_key=False, save_galois_keys=False,
+    key_id = secrets.token_bytes(_KEY_ID)
+    public = ctx.serialize(save_public_key=False, save_secret_key=False, save_galois_keys=False,
                            save_relin_keys=False)
-    private = ctx.serialize(save_public_key=True, save_secret_key=True, save_galois_keys=False,
+    private = ctx.serialize(save_public_key=False, save_secret_key=True, save_galois_keys=False,
                             save_relin_keys=False)
-    return public, private
+    return _KEY_MAGIC + key_id + public, _KEY_MAGIC + key_id + private
+
+
+def _key_id(data: bytes) -> bytes | None:
+    """The key id of :func:`make_keys`' bytes; ``None`` for a bare TenSEAL context (keys made before the key
+    id: asymmetric, the public context holds the public key)."""
+    return bytes(data[len(_KEY_MAGIC):len(_KEY_MAGIC) + _KEY_ID]) if bytes(data[:len(_KEY_MAGIC)]) == _KEY_MAGIC else None
 
 
 def fingerprint(public: bytes) -> bytes:
@@ -82,8 +101,11 @@ def fingerprint(public: bytes) -> bytes:
 def load_context(data: bytes) -> ts.Context:
     """A TenSEAL context from its bytes (cached per process), checked to carry the channel's parameters;
     ``ValueError`` otherwise."""
+    data = bytes(data)
+    if _key_id(data) is not None:
+        data = data[len(_KEY_MAGIC) + _KEY_ID:]
     try:
-        ctx = ts.context_from(bytes(data))
+        ctx = ts.context_from(data)
     except Exception as exc:  # noqa: BLE001 - TenSEAL raises several kinds on malformed bytes
         raise ValueError(f"CKKS context bytes cannot be read ({type(exc).__name__})") from None
     n, bits = parameters(ctx)
@@ -101,13 +123,17 @@ def parameters(ctx: ts.Context) -> tuple[int, int]:
 
 
 def check_keys(public: bytes, private: bytes) -> None:
-    """``ValueError`` unless ``private`` holds the secret key of ``public``'s public key: a probe encrypted
-    under the public context decrypts under the private one."""
+    """``ValueError`` unless ``private`` holds the secret key of ``public``: the same key id, and a probe the
+    private context encrypts (or, for keys without an id, the public one) reads under the public context and
+    decrypts under the private one."""
     pub, priv = load_context(bytes(public)), load_context(bytes(private))
     if not priv.has_secret_key() or pub.has_secret_key():
         raise ValueError("CKKS keys: the private context must hold the secret key and the public one must not")
+    if _key_id(public) != _key_id(private):
+        raise ValueError("CKKS keys: the private context does not belong to the public one (key id)")
     probe = np.linspace(-1.0, 1.0, 16)
-    got = np.array(ts.ckks_vector_from(priv, ts.ckks_vector(pub, probe.tolist()).serialize()).decrypt())
+    enc = ts.ckks_vector(priv if _key_id(private) is not None else pub, probe.tolist()).serialize()
+    got = np.array(ts.ckks_vector_from(priv, ts.ckks_vector_from(pub, enc).serialize()).decrypt())
     if not np.allclose(got, probe, atol=1e-4):
         raise ValueError("CKKS keys: the private context does not belong to the public one")
 
@@ -116,14 +142,17 @@ def _chunks(count: int) -> list[tuple[int, int]]:
     return [(i, min(i + SLOTS, count)) for i in range(0, count, SLOTS)]
 
 
-def encode(public: bytes, values: np.ndarray) -> bytes:
-    """Encrypt a flat float vector (one CKKS vector per 4096 values) into a payload."""
-    ctx = load_context(bytes(public))
+def encode(key: bytes, values: np.ndarray, public: bytes | None = None) -> bytes:
+    """Encrypt a flat float vector (one CKKS vector per 4096 values) into a payload, with the context of
+    ``key``: the private bytes of :func:`make_keys` (secret-key encryption), or a public context that holds a
+    public key (keys without an id). ``public``: the public bytes whose fingerprint the header carries
+    (default: ``key``'s)."""
+    ctx = load_context(bytes(key))
     x = np.asarray(values, dtype=np.float64).ravel()
     if x.size == 0 or not np.all(np.isfinite(x)):
         raise ValueError("CKKS encode: need a non-empty vector of finite values")
     cts = [ts.ckks_vector(ctx, x[a:b].tolist()).serialize() for a, b in _chunks(x.size)]
-    return _build(public, x.size, cts)
+    return _build(key if public is None else public, x.size, cts)
 
 
 def _build(public: bytes, num_values: int, cts: Sequence[bytes]) -> bytes:
@@ -191,10 +220,16 @@ def verify(public: bytes, payload: bytes, num_values: int, *, fresh: bool = True
 def combine(public: bytes, payloads: Sequence[bytes], weights: Sequence[float], num_values: int) -> bytes:
     """``sum_i weights[i] * payload_i`` (each :func:`verify`-ed fresh) with the public context alone; the
     weights must be finite and >= 0 with a positive sum (they are used as given: normalise them first)."""
+    return combine_read(public, [verify(public, p, num_values) for p in payloads], weights, num_values)
+
+
+def combine_read(public: bytes, parsed: Sequence[Sequence[ts.CKKSVector]], weights: Sequence[float],
+                 num_values: int) -> bytes:
+    """:func:`combine` of payloads already :func:`verify`-ed (and read) when they arrived: each is read once,
+    however often it is combined."""
     w = [float(x) for x in weights]
-    if not payloads or len(w) != len(payloads) or not all(math.isfinite(x) and x >= 0 for x in w) or sum(w) <= 0:
-        raise ValueError(f"weights: {len(w)} finite weights >= 0 with a positive sum for {len(payloads)} payloads")
-    parsed = [verify(public, p, num_values) for p in payloads]
+    if not parsed or len(w) != len(parsed) or not all(math.isfinite(x) and x >= 0 for x in w) or sum(w) <= 0:
+        raise ValueError(f"weights: {len(w)} finite weights >= 0 with a positive sum for {len(parsed)} payloads")
     acc: list[ts.CKKSVector] | None = None
     for wi, cts in zip(w, parsed):
         if wi == 0:
