@@ -18,7 +18,9 @@ from fedsim.config import ConfigError, absolute_references, apply_overrides, def
 VICTIM = 0
 
 
-def oneshot_config(args: argparse.Namespace) -> dict[str, Any]:
+def oneshot_config(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The one-shot attack's config from the command's arguments, validated, and the components that built
+    (:func:`fedsim.app.validate`), for :func:`run_oneshot`: built once."""
     cfg = defaults()
     cfg.update(name=f"attack-{'-'.join(args.attack)}", seed=args.seed, device=args.device)
     if getattr(args, "threads", None) is not None:
@@ -36,13 +38,14 @@ def oneshot_config(args: argparse.Namespace) -> dict[str, Any]:
                      "device": args.device}
     apply_overrides(cfg, args.set or [])
     absolute_references(cfg)
-    validate(cfg)
-    return cfg
+    return cfg, validate(cfg)
 
 
-def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True, stop: Any = None) -> dict[str, Any]:
+def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True, stop: Any = None,
+                components: dict[str, Any] | None = None) -> dict[str, Any]:
     """Client 0 trains once from the seeded initial model (through the ClientApp); attack its update.
-    ``stop`` (a :class:`fedsim.interrupt.StopSignal`) ends the attack at its next iteration when requested."""
+    ``stop`` (a :class:`fedsim.interrupt.StopSignal`) ends the attack at its next iteration when requested.
+    ``components``: what validating ``cfg`` built (:func:`oneshot_config`; built here when not given)."""
     from fedsim.app.client import client_app
     from fedsim.app.server import Server
     from fedsim.config import dump_toml
@@ -53,7 +56,8 @@ def run_oneshot(cfg: dict[str, Any], out: Path, progress: bool = True, stop: Any
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.toml", dump_toml(cfg))
     with torch_threads(int(cfg["simulation"].get("threads", 1))):  # attacks on a shared machine: 1 thread
-        server = Server(cfg, out, progress=progress, fixed_partitions=[VICTIM], checkpoint=False, stop=stop)
+        server = Server(cfg, out, progress=progress, fixed_partitions=[VICTIM], checkpoint=False, stop=stop,
+                        components=components)
         summary = server.run(InProcessGrid(client_app, cfg["federation"]["num_clients"]))
     rows = [r for obs in server.observers if obs.name == "curious-server" for r in obs.rows]
     if progress:
@@ -87,7 +91,7 @@ def _attack(args: argparse.Namespace, stop: Any) -> int:
     from fedsim.reports import new_run_dir
     from fedsim.runfolder import RunFolderError, open_run_folder
 
-    cfg = oneshot_config(args)
+    cfg, components = oneshot_config(args)
     check_data(cfg)  # availability and partition errors before any folder exists
     parent = Path(cfg["output"]["dir"])
     parent_existed = parent.exists()
@@ -104,7 +108,7 @@ def _attack(args: argparse.Namespace, stop: Any) -> int:
         if folder.action == "complete":
             print(f"[fedsim] {out} holds this attack, complete: nothing to do (--overwrite runs it again)")
         else:
-            run_oneshot(cfg, out, progress=not args.quiet, stop=stop)
+            run_oneshot(cfg, out, progress=not args.quiet, stop=stop, components=components)
     except BaseException as exc:
         done = (folder.path / "summary.json").exists()
         if done and isinstance(exc, KeyboardInterrupt):

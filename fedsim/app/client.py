@@ -87,7 +87,23 @@ from fedsim.training.recipe import Recipe
 
 load_plugins()
 
-client_app = ClientApp()
+
+class _ClientApp(ClientApp):
+    """Flower's ClientApp, pickled as a reference to this module's :data:`client_app`. Flower's Ray backend
+    sends the app (inside its loader closure) with every message; by value, that is the handlers and their
+    closures (14 kB) pickled in the server process and unpickled in the actor for every message (about 2 ms
+    of CPU each, measured). By reference the actor uses the app its import of this module made, the same
+    object a by-value copy rebuilt."""
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        return _the_client_app, ()
+
+
+def _the_client_app() -> ClientApp:
+    return client_app
+
+
+client_app = _ClientApp()
 
 Handler = Callable[[Message, Context], Message]
 
@@ -123,6 +139,31 @@ def _cached_model(text: str) -> torch.nn.Module:
 @lru_cache(maxsize=4)
 def _cached_pipeline(text: str) -> DefensePipeline:
     return client_pipeline(parse_config(text))
+
+
+@lru_cache(maxsize=4)
+def _cached_channel(text: str) -> ClientChannel:
+    return channel_for(parse_config(text))
+
+
+def channel_of(msg: Message) -> ClientChannel:
+    """The client half of the message's channel, built once per process and config (keyed by the config's
+    text, like :func:`pipeline_for`) and shared by every message and partition this process serves. A
+    client half keeps no client's state on itself: what lasts (keys, the model a Paillier client holds, an
+    update waiting for the round's clip, SecAgg+'s protocol state) lives in ``ctx.state``, the partition's
+    Flower ``Context.state``; a key is read from there for each message, never held by the channel, so no
+    virtual client sees another's. Values a half sets on itself for one message (the Paillier half's
+    decoded model, read by its ``encode`` of the same message) are set again by every message's ``decode``;
+    a process serves its partitions one after another."""
+    return _cached_channel(str(msg.content[CONFIG][FEDSIM_CONFIG]))
+
+
+@lru_cache(maxsize=4)
+def _cached_train(text: str) -> Handler:
+    cfg = parse_config(text)
+    mods = FLOWER_MODS.build_list(cfg.get("client", {}).get("flower_mods", []), "client.flower_mods")
+    handler = wrap(_train, mods) if mods else _train
+    return _cached_channel(text).wrap_train(handler)  # e.g. SecAgg+'s stages around training
 
 
 def pipeline_for(msg: Message) -> DefensePipeline:
@@ -253,7 +294,7 @@ def query(msg: Message, context: Context) -> Message:
 @serve_partitions
 @mirrored
 def channel_setup(msg: Message, context: Context) -> Message:
-    return Message(channel_for(config_of(msg)).handshake(msg, context), reply_to=msg)
+    return Message(channel_of(msg).handshake(msg, context), reply_to=msg)
 
 
 @client_app.train()
@@ -261,11 +302,10 @@ def channel_setup(msg: Message, context: Context) -> Message:
 @mirrored
 def train(msg: Message, context: Context) -> Message:
     """Local training, wrapped by the Flower mods the config names (``[[client.flower_mods]]``), inside
-    whatever the channel's client half wraps around it (``ClientChannel.wrap_train``)."""
-    cfg = config_of(msg)
-    mods = FLOWER_MODS.build_list(cfg.get("client", {}).get("flower_mods", []), "client.flower_mods")
-    handler = wrap(_train, mods) if mods else _train
-    return channel_for(cfg).wrap_train(handler)(msg, context)  # e.g. SecAgg+'s stages around training
+    whatever the channel's client half wraps around it (``ClientChannel.wrap_train``). The wrapped handler
+    is built once per process and config, like the pipeline: Flower's mods keep nothing on themselves
+    (``secaggplus_mod`` keeps its protocol state in ``ctx.state``; ``LocalDpMod`` only its parameters)."""
+    return _cached_train(str(msg.content[CONFIG][FEDSIM_CONFIG]))(msg, context)
 
 
 def _train(msg: Message, context: Context) -> Message:
@@ -273,7 +313,7 @@ def _train(msg: Message, context: Context) -> Message:
     cfg = config_of(msg)
     pid = _partition_id(context)
     rnd = int(conf[SERVER_ROUND])
-    channel = channel_for(cfg)
+    channel = channel_of(msg)
     x, y = client_data(cfg, pid)
     pipeline = pipeline_for(msg)
     model = model_to_train(msg, cfg, pipeline.adapts_model())
@@ -311,7 +351,7 @@ def evaluate_global(msg: Message, context: Context) -> Message:
     client's own data when the message asks for it (``EVAL_DATA = "local"``: client-side evaluation)."""
     cfg = config_of(msg)
     model = model_to_train(msg, cfg, adapts=False)
-    set_weights(model, channel_for(cfg).decode(msg.content, context, template_of(model)))
+    set_weights(model, channel_of(msg).decode(msg.content, context, template_of(model)))
     device = resolve_device(cfg.get("device", "auto"))
     per_source: list[float] = []
     if str(msg.content[CONFIG].get(EVAL_DATA, "test")) == "local":
@@ -339,7 +379,7 @@ def cross_validate(msg: Message, context: Context) -> Message:
     if len(y) == 0:
         raise ValueError(f"client {pid} has no validation data (data.val_fraction = "
                          f"{cfg['data'].get('val_fraction', 0.0)}, {len(client_data(cfg, pid)[1])} training samples)")
-    channel = channel_for(cfg)
+    channel = channel_of(msg)
     model = model_to_train(msg, cfg, adapts=False)
     template = template_of(model)
     device = resolve_device(cfg.get("device", "auto"))

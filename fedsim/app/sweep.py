@@ -26,14 +26,13 @@ variant runs one seed unless ``[quick] seeds`` names more.
 """
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 from fedsim import progress as prog
 from fedsim.app.sweep_report import write_sweep_outputs
-from fedsim.app.sweep_spec import SweepSpec, check_seeds, load_spec, load_sweep, variant_slug
+from fedsim.app.sweep_spec import SweepSpec, load_spec, load_sweep, run_config, variant_slug
 from fedsim.comparison import run_row
 from fedsim.config import ConfigError
 from fedsim.reports import new_run_dir, write_jsonl
@@ -98,14 +97,14 @@ def _prestart(cfgs: list[dict[str, Any]]) -> None:
 def _run_sweep(path: str | Path, overrides: Sequence[str], out: str | Path | None, progress: bool,
                only: Sequence[str], seeds: Sequence[int] | None, overwrite: bool, quick: bool,
                command: Sequence[str] | None) -> Path:
-    spec = load_spec(path, overrides, only, quick, checked=_prestart)  # no torch before its first pass
+    # no torch before its first pass; every run's config is validated, building its components once
+    spec = load_spec(path, overrides, only, quick, checked=_prestart, seeds=seeds, runs=True)
     from fedsim.config_checks import check_data
     from fedsim.runfolder import decide
 
     base, variants = spec.base, spec.variants
     given_seeds = list(seeds) if seeds is not None else None
-    seeds = check_seeds(list(seeds), "--seeds") if seeds is not None else spec.seeds
-    spec.seeds = seeds
+    seeds = spec.seeds
     for i, (label, cfg) in enumerate(variants):
         try:
             check_data(cfg)
@@ -136,7 +135,8 @@ def _run_sweep(path: str | Path, overrides: Sequence[str], out: str | Path | Non
                          + ("  (complete: skipped)" if skip else "")
                          + f"  [{done} done in {prog.duration(elapsed)}{left}]")
                 t_job = time.perf_counter()
-                row = _run_job(label, cfg, seed, job_dir, progress, resume_hint, failed, run_dirs.setdefault(i, []))
+                row = _run_job(label, cfg, seed, job_dir, progress, resume_hint, failed, run_dirs.setdefault(i, []),
+                               spec.built.pop((label, seed), None))
                 if not skip:
                     ran, spent = ran + 1, spent + time.perf_counter() - t_job
                 if seed is not None:
@@ -183,26 +183,21 @@ def _jobs(variants: Sequence[tuple[str, dict]], seeds: Sequence[int] | None,
     jobs = []
     for i, (label, cfg) in enumerate(variants):
         for seed in (seeds or [None]):
-            name = f"{i:02d}-{variant_slug(label)}"
-            if seed is not None:
-                cfg = copy.deepcopy(cfg)
-                cfg["seed"] = seed
-                cfg["name"] = f"{variants[i][1]['name']}-seed{seed}"
-                name += f"-seed{seed}"
-            jobs.append((i, label, cfg, seed, out_dir / name))
+            name = f"{i:02d}-{variant_slug(label)}" + (f"-seed{seed}" if seed is not None else "")
+            jobs.append((i, label, run_config(cfg, seed), seed, out_dir / name))
     return jobs
 
 
 def _run_job(label: str, cfg: dict, seed: int | None, job_dir: Path, progress: bool, resume_hint: tuple,
-             failed: list[str], run_dirs: list[Path]) -> dict[str, Any]:
+             failed: list[str], run_dirs: list[Path], components: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run one job and return its table row; a failed run is recorded (in ``failed`` and its row), an
     interruption gets the command that resumes the sweep (``resume_hint``: :func:`resume_command`'s
-    arguments)."""
+    arguments). ``components``: what validating the job's config built (:func:`load_spec`), for the run."""
     from fedsim.app.runner import run_experiment
     from fedsim.interrupt import RunInterrupted
 
     try:
-        run_dir = run_experiment(cfg, out=job_dir, progress=progress)
+        run_dir = run_experiment(cfg, out=job_dir, progress=progress, components=components)
         row = run_row(label, run_dir)
         run_dirs.append(run_dir)
         return row

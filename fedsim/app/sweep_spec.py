@@ -56,6 +56,18 @@ class SweepSpec:
     claims: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, dict[str, str]] = field(default_factory=dict)  # label -> {row, col, family}
     quick: bool = False
+    # (label, seed) -> the components validating that run's config built (load_spec(runs=True)), for the run
+    built: dict[tuple[str, int | None], dict[str, Any]] = field(default_factory=dict)
+
+
+def run_config(cfg: dict[str, Any], seed: int | None) -> dict[str, Any]:
+    """The config of a variant's run with ``seed`` (seed replaced, name suffixed), or the variant's own."""
+    if seed is None:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg["seed"] = seed
+    cfg["name"] = f"{cfg['name']}-seed{seed}"
+    return cfg
 
 
 def load_sweep(path: str | Path, overrides: Sequence[str] = (),
@@ -119,16 +131,20 @@ def _override_base(base: dict[str, Any], overrides: Sequence[str]) -> None:
 
 
 def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = (),
-              quick: bool = False, checked: Callable[[list[dict[str, Any]]], None] | None = None) -> SweepSpec:
+              quick: bool = False, checked: Callable[[list[dict[str, Any]]], None] | None = None,
+              seeds: Sequence[int] | None = None, runs: bool = False) -> SweepSpec:
     """Read and validate a sweep/experiment file (every variant's config, the report specs and claims).
     ``quick`` applies the file's ``[quick]`` table: its ``set`` overrides come before ``overrides`` (then
     ``variant_set``: a variant's own quick overrides, for keys the other variants do not have, such as
     the parameters of an attack only it runs) and its ``variants`` choose the variants unless ``only``
     does. Every variant passes the first pass (:func:`fedsim.config.precheck`, no heavy import) before
     any is validated in full; ``checked`` is then called with their configs (``run_sweep`` starts Ray
-    there)."""
+    there). ``seeds`` (``--seeds``) replaces the file's. ``runs``: validate the config of every run (each
+    variant with each seed, :func:`run_config`) instead of each variant, and keep the components that
+    built in ``built``, so that each run is built once (``run_sweep`` hands them to the run)."""
     p = Path(path)
     data = read_toml(p, "sweep file")
+    given = check_seeds(list(seeds), "--seeds") if seeds is not None else None
     seeds = check_seeds(data.pop("seeds")) if "seeds" in data else None
     if seeds is None and "experiment" in data:  # an experiment decides its claims over seeds
         seeds = list(EXPERIMENT_SEEDS)
@@ -184,12 +200,16 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
             raise ConfigError(f"variants[{i}] ({label}): {exc}") from exc
         index[label] = i
         out.append((label, cfg))
+    if given is not None:
+        seeds = given
     if checked is not None:
         checked([cfg for _, cfg in out])
+    built = {}
     for label, cfg in out:
-        try:
-            validate(cfg)
-        except ConfigError as exc:
-            raise ConfigError(f"variants[{index[label]}] ({label}): {exc}") from exc
+        for seed in (seeds or [None]) if runs else [None]:
+            try:
+                built[(label, seed)] = validate(run_config(cfg, seed))
+            except ConfigError as exc:
+                raise ConfigError(f"variants[{index[label]}] ({label}): {exc}") from exc
     _override_base(base, overrides)
-    return SweepSpec(base, out, seeds, experiment, report_spec, claims, meta, quick)
+    return SweepSpec(base, out, seeds, experiment, report_spec, claims, meta, quick, built if runs else {})
