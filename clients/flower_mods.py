@@ -28,13 +28,17 @@ whether it clipped (``norm_bit``). Each is refused at config time without its st
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Mapping
 
+import numpy as np
 from flwr.app import Context, Message
 from flwr.clientapp.mod import LocalDpMod, adaptiveclipping_mod, fixedclipping_mod
 
 from fedsim.components import FLOWER_MODS
 from fedsim.privacy import AGAINST_SERVER, Mechanism, classic_gaussian_std
+from fedsim.protocol import CONFIG, FEDSIM_CONFIG, NODE_PARTITION_ID, SERVER_ROUND
+from fedsim.seeding import derive_seed
 
 
 class LocalDp(LocalDpMod):
@@ -46,6 +50,19 @@ class LocalDp(LocalDpMod):
         if not 0 < delta < 1:
             raise ValueError(f"delta must be in (0, 1), got {delta!r}")
         super().__init__(clipping_norm, sensitivity, epsilon, delta)
+
+    def __call__(self, msg: Message, context: Context, call_next: Any) -> Message:
+        """Flower's mod, its noise drawn from NumPy's global generator seeded by (seed, round, client) right
+        before Flower draws it: in a Ray actor nothing else seeds that generator, so without this the noise
+        differed from run to run (and in-process it depended on what ran before)."""
+        def train_then_seed(m: Message, ctx: Context) -> Message:
+            reply = call_next(m, ctx)
+            conf = msg.content[CONFIG]
+            seed = json.loads(str(conf[FEDSIM_CONFIG]))["seed"]
+            np.random.seed(derive_seed(seed, int(conf[SERVER_ROUND]), int(context.node_config[NODE_PARTITION_ID]),
+                                       0x1D9) % 2 ** 32)
+            return reply
+        return super().__call__(msg, context, train_then_seed)
 
     def privacy(self, cfg: Mapping[str, Any], key: str) -> list[Mechanism]:
         std = classic_gaussian_std(self.sensitivity, self.epsilon, self.delta)
