@@ -29,10 +29,17 @@ class ConfigError(ValueError):
 
 class Constraint:
     """A limit on one parameter's value. ``check`` raises :class:`ConfigError` naming ``key``; it is
-    called with values that already have the declared type (and never with None)."""
+    called with values that already have the declared type (and never with None). ``why`` (a keyword of
+    every constraint) says what a bad value would break; it ends the error line."""
+
+    why: str = ""
 
     def check(self, key: str, value: Any) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def refuse(self, key: str, value: Any) -> ConfigError:
+        """The one error line: ``KEY must be DESCRIPTION, got VALUE[ (WHY)]``."""
+        return ConfigError(f"{key} must be {self.describe()}, got {value!r}{f' ({self.why})' if self.why else ''}")
 
     def describe(self) -> str:  # pragma: no cover - interface
         """What an allowed value is, as words after "must be"."""
@@ -54,8 +61,8 @@ class Range(Constraint):
     ``Range(0, 1)`` ``in [0, 1]``, ``Range(0, 1, open_high=True)`` ``in [0, 1)``, ``Range(high=5)`` ``<= 5``."""
 
     def __init__(self, low: float | None = None, high: float | None = None, *, open_low: bool = False,
-                 open_high: bool = False):
-        self.low, self.high, self.open_low, self.open_high = low, high, open_low, open_high
+                 open_high: bool = False, why: str = ""):
+        self.low, self.high, self.open_low, self.open_high, self.why = low, high, open_low, open_high, why
 
     def contains(self, value: Any) -> bool:
         if self.low is not None and (value <= self.low if self.open_low else value < self.low):
@@ -74,7 +81,7 @@ class Range(Constraint):
 
     def check(self, key: str, value: Any) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not self.contains(value):
-            raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
+            raise self.refuse(key, value)
 
     def __repr__(self) -> str:
         return f"Range({self.describe()})"
@@ -83,15 +90,15 @@ class Range(Constraint):
 class OneOf(Constraint):
     """One of a fixed set of values (``OneOf("sum", "mean")``; ``OneOf(None, "strong_wolfe")``)."""
 
-    def __init__(self, *choices: Any):
-        self.choices = tuple(choices)
+    def __init__(self, *choices: Any, why: str = ""):
+        self.choices, self.why = tuple(choices), why
 
     def describe(self) -> str:
         return f"one of {list(self.choices)}"
 
     def check(self, key: str, value: Any) -> None:
         if not any(c == value and isinstance(c, bool) == isinstance(value, bool) for c in self.choices):
-            raise ConfigError(f"{key} must be {self.describe()}, got {value!r}")
+            raise self.refuse(key, value)
 
     def __repr__(self) -> str:
         return f"OneOf{self.choices!r}"
@@ -101,15 +108,15 @@ class Satisfies(Constraint):
     """A value a predicate accepts, described in words (for structured values: lists of patterns,
     per-layer weights): ``Satisfies(is_patterns, "a list of parameter-name patterns (fnmatch)")``."""
 
-    def __init__(self, predicate: Callable[[Any], bool], description: str):
-        self.predicate, self.description = predicate, description
+    def __init__(self, predicate: Callable[[Any], bool], description: str, *, why: str = ""):
+        self.predicate, self.description, self.why = predicate, description, why
 
     def describe(self) -> str:
         return self.description
 
     def check(self, key: str, value: Any) -> None:
         if not self.predicate(value):
-            raise ConfigError(f"{key} must be {self.description}, got {value!r}")
+            raise self.refuse(key, value)
 
     def __repr__(self) -> str:
         return f"Satisfies({self.description!r})"

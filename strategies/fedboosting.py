@@ -133,7 +133,7 @@ def inverse_loss_weights(train_losses: Sequence[float], val_losses: np.ndarray,
 
 WEIGHTINGS = {"eq4.2": mixture_weights, "inverse-loss": inverse_loss_weights}
 # the model's own share of its fused copy must be the largest
-P_HAT = Range(0.5, 1, open_low=True)
+P_HAT = Range(0.5, 1, open_low=True, why="the model's own share of its fused copy must be the largest")
 
 
 @STRATEGIES.register

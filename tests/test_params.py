@@ -63,7 +63,10 @@ def test_the_schema_uses_the_same_constraint_objects():
      "defenses[0].evaluate must be one of ['both', 'before', 'after', 'none'], got 'sometimes'"),
     (['transforms=[{name="mp-compensation", variance="median"}]'],
      "transforms[0].variance must be one of ['weighted-mean', 'paper'], got 'median'"),
-    (['strategy={name="fedboosting", p_hat=0.5}'], "strategy.p_hat must be in (0.5, 1], got 0.5"),
+    (['strategy={name="fedboosting", p_hat=0.5}'],  # a constraint's `why` ends the line
+     "strategy.p_hat must be in (0.5, 1], got 0.5 (the model's own share of its fused copy must be the largest)"),
+    (['channel={name="secagg+", quantization_range=1}'],
+     "channel.quantization_range must be in [2, 2147483648), got 1 (Flower quantizes to int32)"),
     (['channel={name="paillier", encrypt="gradients"}'],
      "channel.encrypt must be one of ['update', 'model'], got 'gradients'"),
     (['strategy={name="flwr-dp-server-fixed", noise_multiplier=1.0, clipping_norm=1.0, '

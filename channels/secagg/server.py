@@ -118,7 +118,7 @@ class SecAggPlusChannel(ServerChannel):
     def __init__(self, num_shares: Annotated[int | float, NUM_SHARES] = 3,
                  reconstruction_threshold: Annotated[int | float, THRESHOLD] = 2,
                  clipping_range: Annotated[float, Range(0, open_low=True)] = 8.0,
-                 quantization_range: Annotated[int, Range(2, 2 ** 31, open_high=True)] = 2 ** 22,
+                 quantization_range: Annotated[int, Range(2, 2 ** 31, open_high=True, why="Flower quantizes to int32")] = 2 ** 22,
                  modulus_range: Annotated[int, Satisfies(_power_of_two, "a power of 2 in [4, 2^32]")] = 2 ** 32,
                  max_weight: Annotated[float, Range(0, open_low=True)] = 1000.0,
                  timeout: Annotated[float | None, Range(0, open_low=True)] = None,
