@@ -242,7 +242,7 @@ def test_a_plugin_failing_at_run_time_is_one_line_and_leaves_nothing_half_way(cl
     (['channel.name="paillier"', "channel.key_bits=2047"], "channel.key_bits must be an even integer in [512, 8192]"),
     (['channel.name="paillier"', "channel.key_bits=100000"], "channel.key_bits must be an even integer in [512, 8192]"),
     (['defenses=[{name="fedkl", key_length=100000000000}]'],
-     "defenses[0] (fedkl): key_length must be an integer in [1, 65536]"),
+     "defenses[0].key_length must be in [1, 65536], got 100000000000 (the thesis uses 1024"),
     (['transforms=[{name="lossless-perturbation", multiplicative=[1e-300, 1e300]}]', 'model.name="mlp"',
       'train.loss="mse"'], "transforms[0].multiplicative must lie in [1e-06, 1e+06]"),
     (['attack={name="ig-bn"}'], "attack.name 'ig-bn': the BatchNorm-statistics prior (bn_prior = 0.1) needs a "

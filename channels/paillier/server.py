@@ -37,9 +37,10 @@ from fedsim.crypto.errors import IntegrityError
 from fedsim.crypto.packing import MAX_TOTAL_WEIGHT, packing_layout
 from fedsim.crypto.paillier import (
     DEFAULT_KEY_BITS,
+    MAX_KEY_BITS,
+    MIN_KEY_BITS,
     MODE_PACKED,
     MODE_PER_ELEMENT,
-    check_key_bits,
     combine_read,
     key_fingerprint,
     public_key_from_bytes,
@@ -48,7 +49,7 @@ from fedsim.crypto.paillier import (
 )
 from fedsim.crypto.quantize import MAX_RANGE_EXPONENT, MIN_RANGE_EXPONENT, Quantizer, integer_weights
 from fedsim.keydelivery import SealedKeyServer
-from fedsim.params import OneOf, Range
+from fedsim.params import OneOf, Range, Satisfies
 from fedsim.protocol import (
     ARRAYS,
     BASE,
@@ -77,6 +78,8 @@ from .client import PaillierClientChannel
 from .model import EncryptedModel, EncryptedModelCheckpoints
 
 log = logging.getLogger("fedsim")
+KEY_BITS = Satisfies(lambda b: b % 2 == 0 and MIN_KEY_BITS <= b <= MAX_KEY_BITS,
+                     f"an even integer in [{MIN_KEY_BITS}, {MAX_KEY_BITS}]")
 ENCRYPT = ("update", "model")
 BITS = {"update": 12, "model": 16}  # channel.bits when unset (docs/paillier.md: "Quantization and its error bound")
 
@@ -97,11 +100,10 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
     provides = frozenset({WEIGHTED_SUM})
     key_name = "the Paillier key pair"
 
-    def __init__(self, key_bits: int = DEFAULT_KEY_BITS, encrypt: Annotated[str, OneOf(*ENCRYPT)] = "update",
+    def __init__(self, key_bits: Annotated[int, KEY_BITS] = DEFAULT_KEY_BITS, encrypt: Annotated[str, OneOf(*ENCRYPT)] = "update",
                  bits: int | None = None, clip: float | None = None, overflow: str = "clip",
                  precision: Annotated[int, Range(1)] = 4096, packed: bool = True, slots: int | None = None,
                  advance: bool = True, round_layout: bool = True):
-        check_key_bits(key_bits)
         self.encrypt = encrypt
         self.auto_clip = clip is None and encrypt == "update"
         fixed = 4.0 if clip is None else clip  # the auto clip changes every round: 4.0 only fills the layout

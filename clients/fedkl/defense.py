@@ -59,7 +59,7 @@ from torch import nn
 
 from fedsim.defense import Defense, DefenseContext, register
 from fedsim.models import keylock
-from fedsim.params import OneOf
+from fedsim.params import OneOf, Range
 
 from .evaluation import RandomKeyEvaluation, check_model
 
@@ -68,6 +68,10 @@ EVALUATE = ("both", "before", "after", "none")
 _SUFFIX = {"before": "", "after": "_after_training"}  # own_key<suffix>_accuracy / _loss
 _KEY = "key"
 _ENTRY = "entry."
+
+
+KEY_LENGTH = Range(1, keylock.MAX_KEY_LENGTH, why="the thesis uses 1024; the lock layers hold 2 x key_length x channels "
+                  "weights per locked block")
 
 
 @register
@@ -81,12 +85,11 @@ class FedKL(Defense):
     name = "fedkl"
 
     def __init__(self, blocks: str | list[Any] = keylock.DEFAULT_BLOCKS,
-                 key_length: int = keylock.DEFAULT_KEY_LENGTH,
+                 key_length: Annotated[int, KEY_LENGTH] = keylock.DEFAULT_KEY_LENGTH,
                  key_source: Annotated[str, OneOf(*KEY_SOURCES)] = "seeded",
                  evaluate: Annotated[str, OneOf(*EVALUATE)] = "both", lock_activation: str = "none", average_norm_stats: bool = False,
                  leak_lock: bool = False, cfg: Mapping[str, Any] | None = None):
         self.blocks = keylock.check_blocks(blocks)
-        key_length = keylock.check_key_length(key_length)
         self.key_length, self.key_source, self.evaluate = int(key_length), key_source, evaluate
         self.lock_activation = keylock.check_activation(lock_activation)
         self.average_norm_stats = bool(average_norm_stats)
