@@ -86,6 +86,20 @@ BITS = {"update": 12, "model": 16}  # channel.bits when unset (docs/paillier.md:
 _READ = "paillier.read"  # Reply.extra: the payload's header and ciphertexts, as check_reply read them
 
 
+def exact_integer_weights(weights: Sequence[float], precision: int) -> list[int]:
+    """A rule's weights as integers: when they already are integers, divided by their greatest common
+    divisor (the same mean; equal example counts become weights of 1, and a weight of 1 costs the
+    combination no exponentiation) if they then sum to at most ``precision`` (no rounding error), else
+    ``round(p_i * precision)`` (eq. 4.4)."""
+    if all(float(x).is_integer() and x >= 0 for x in weights) and sum(weights) > 0:
+        ints = [int(x) for x in weights]
+        g = math.gcd(*ints)  # the same mean with smaller weights: exact, and cheaper to combine
+        if sum(ints) // g <= precision:
+            return [w // g for w in ints]
+    total = float(sum(weights))
+    return integer_weights([float(x) / total for x in weights], precision)
+
+
 @CHANNELS.register
 class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, ServerChannel):
     """Paillier-encrypted weighted sums (parameters: ``key_bits``, ``encrypt`` = update | model, ``bits`` and
@@ -162,7 +176,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
     def round_total_weight(self, ctx: RoundContext, replies: Sequence[Reply]) -> int:
         """The largest total weight this round's combinations can carry, known once the clients replied to
         ``train``: under a rule that weights by example counts (``example_weighted_mean``, FedAvg), the
-        counts divided by their gcd when they sum to at most ``precision`` (:meth:`integer_weights`: any
+        counts divided by their gcd when they sum to at most ``precision`` (:func:`exact_integer_weights`: any
         subset of these replies - clients that fail later - has a smaller reduced sum, since a subset's gcd
         is a multiple of the whole set's); otherwise ``precision`` plus the clients per round, as at
         setup. Equal counts give ``len(replies)``: 16-bit slots instead of 25 at the defaults, 126 values
@@ -370,17 +384,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
         return EncryptedModel(self.encrypt, payload, self._round, self._chain if self.encrypt == "update" else ())
 
     def integer_weights(self, weights: Sequence[float]) -> list[int]:
-        """The rule's weights as integers: when they already are integers, divided by their greatest common
-        divisor (the same mean; equal example counts become weights of 1, and a weight of 1 costs the
-        combination no exponentiation) if they then sum to at most ``precision`` (no rounding error), else
-        ``round(p_i * precision)`` (eq. 4.4)."""
-        if all(float(x).is_integer() and x >= 0 for x in weights) and sum(weights) > 0:
-            ints = [int(x) for x in weights]
-            g = math.gcd(*ints)  # the same mean with smaller weights: exact, and cheaper to combine
-            if sum(ints) // g <= self.precision:
-                return [w // g for w in ints]
-        total = float(sum(weights))
-        return integer_weights([float(x) / total for x in weights], self.precision)
+        return exact_integer_weights(weights, self.precision)
 
     def plaintext(self, state: Any) -> list[np.ndarray] | None:
         return None if isinstance(state, EncryptedModel) else state

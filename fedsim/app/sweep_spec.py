@@ -7,7 +7,7 @@ import copy
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from fedsim.app import validate
 from fedsim.claims import check_claims
@@ -154,11 +154,7 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
     quick_spec = data.pop("quick", None)
     if not isinstance(variants, list) or not variants or not all(isinstance(v, dict) for v in variants):
         raise ConfigError(f"{p}: a sweep needs [[variants]] tables (each with a label)")
-    if not isinstance(experiment, dict):
-        raise ConfigError(f"{p}: [experiment] must be a table (title, paper, scale, notes, claims)")
-    unknown = set(experiment) - {"title", "paper", "scale", "notes", "claims"}
-    if unknown:
-        raise ConfigError(f"{p}: experiment: unknown keys {sorted(unknown)} (title, paper, scale, notes, claims)")
+    _check_experiment(experiment, p)
     base = defaults()
     _merge(base, data)
     out = []
@@ -204,12 +200,28 @@ def load_spec(path: str | Path, overrides: Sequence[str] = (), only: Sequence[st
         seeds = given
     if checked is not None:
         checked([cfg for _, cfg in out])
+    built = _validate_runs(out, seeds if runs else None, index)
+    _override_base(base, overrides)
+    return SweepSpec(base, out, seeds, experiment, report_spec, claims, meta, quick, built if runs else {})
+
+
+def _check_experiment(experiment: Any, p: Path) -> None:
+    if not isinstance(experiment, dict):
+        raise ConfigError(f"{p}: [experiment] must be a table (title, paper, scale, notes, claims)")
+    unknown = set(experiment) - {"title", "paper", "scale", "notes", "claims"}
+    if unknown:
+        raise ConfigError(f"{p}: experiment: unknown keys {sorted(unknown)} (title, paper, scale, notes, claims)")
+
+
+def _validate_runs(out: list[tuple[str, dict[str, Any]]], seeds: Sequence[int] | None,
+                   index: Mapping[str, int]) -> dict[tuple[str, int | None], Any]:
+    """Every variant validated in full (with ``seeds``: every run, each variant with each seed), keyed by
+    (label, seed): the components each built."""
     built = {}
     for label, cfg in out:
-        for seed in (seeds or [None]) if runs else [None]:
+        for seed in seeds or [None]:
             try:
                 built[(label, seed)] = validate(run_config(cfg, seed))
             except ConfigError as exc:
                 raise ConfigError(f"variants[{index[label]}] ({label}): {exc}") from exc
-    _override_base(base, overrides)
-    return SweepSpec(base, out, seeds, experiment, report_spec, claims, meta, quick, built if runs else {})
+    return built
