@@ -34,7 +34,6 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -133,8 +132,7 @@ class Runtime:
                     return
                 self.drop_pool()
                 ray.shutdown()
-            with signals_stay_with_python_threads():
-                init()
+            init()
             self.ray_starts += 1
             self.init_key = key
 
@@ -237,24 +235,6 @@ def stop_ray() -> None:
             except subprocess.TimeoutExpired:  # pragma: no cover - Ray's shutdown kills it again
                 pass
     ray.shutdown()
-
-
-@contextlib.contextmanager
-def signals_stay_with_python_threads() -> Iterator[None]:
-    """SIGINT and SIGTERM blocked in the calling thread while the block runs, so that the native threads Ray
-    starts in ``ray.init`` (they inherit the mask) never take them. The kernel hands a process-directed
-    signal to any thread that does not block it; one taken by a Ray thread only flags Python's handler, and
-    the main thread - waiting in a lock for Flower's engine threads - runs it when the run is over (a Ctrl-C
-    seen seconds late). Signals that arrive meanwhile stay pending and are delivered when the mask is
-    restored. Where ``pthread_sigmask`` does not exist (Windows) nothing changes."""
-    if not hasattr(signal, "pthread_sigmask"):
-        yield
-        return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _alive(pool: Any) -> bool:

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from fedsim import progress
 from fedsim.app import build_components
@@ -268,6 +268,32 @@ def _waking_push(grid: Any, wake: threading.Event) -> None:
     grid.push_messages = push_messages
 
 
+def main_thread_listens(fn: Callable[[], Any]) -> Any:
+    """``fn()``, run in a thread while the main thread waits for it in steps of 0.1 s. Python runs signal
+    handlers only in the main thread, when it runs Python code; Flower's engine keeps its calling thread in
+    a lock wait (joining its workers) for the whole run, and a signal the kernel hands to another thread
+    (any thread that does not block it may take a process-directed signal) only flags the handler, which
+    then ran when the run was over: a Ctrl-C or SIGTERM seen a whole run late (twice in CI). Called outside
+    the main thread, ``fn`` runs directly."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn()
+    out: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            out["error"] = exc
+
+    worker = threading.Thread(target=target, name="fedsim-simulation", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.1)
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
 @contextlib.contextmanager
 def ray_keeps_signal_handlers() -> Iterator[None]:
     """While the block runs, ``ray.init`` does not install its own SIGTERM handler in the driver: Ray's
@@ -388,8 +414,9 @@ def _run_ray(cfg, run_dir, components, show, stop, ckpt) -> None:
         progress.say(starting_line(cfg, node_count(cfg)))
     try:
         with _ray_backend_hooks(stop, backends), _prompt_dispatch(wake):
-            run_simulation(server_app=server_app, client_app=client_app,
-                           num_supernodes=node_count(cfg), backend_config=_backend_config(cfg))
+            main_thread_listens(lambda: run_simulation(server_app=server_app, client_app=client_app,
+                                                       num_supernodes=node_count(cfg),
+                                                       backend_config=_backend_config(cfg)))
     except BaseException:
         loop.engine_gone(stop)
         if stopped and stopped[0].signame.startswith("SIG"):  # the engine died of the user's signal
