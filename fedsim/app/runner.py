@@ -18,6 +18,7 @@ Reliability (docs/failures.md):
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -268,30 +269,26 @@ def _waking_push(grid: Any, wake: threading.Event) -> None:
     grid.push_messages = push_messages
 
 
+_ENGINE_THREAD: list[Any] = []  # one executor whose single thread runs every Ray run of this process
+
+
 def main_thread_listens(fn: Callable[[], Any]) -> Any:
-    """``fn()``, run in a thread while the main thread waits for it in steps of 0.1 s. Python runs signal
-    handlers only in the main thread, when it runs Python code; Flower's engine keeps its calling thread in
-    a lock wait (joining its workers) for the whole run, and a signal the kernel hands to another thread
-    (any thread that does not block it may take a process-directed signal) only flags the handler, which
-    then ran when the run was over: a Ctrl-C or SIGTERM seen a whole run late (twice in CI). Called outside
-    the main thread, ``fn`` runs directly."""
+    """``fn()``, run in fedsim's engine thread while the main thread waits for it in steps of 0.1 s. Python
+    runs signal handlers only in the main thread, when it runs Python code; Flower's engine keeps its calling
+    thread in a lock wait (joining its workers) for the whole run, and a signal the kernel hands to another
+    thread (any thread that does not block it may take a process-directed signal) only flags the handler,
+    which then ran when the run was over: a Ctrl-C or SIGTERM seen a whole run late (twice in CI). The
+    engine thread is one per process and lives as long as it: Ray's processes, when a run starts Ray there,
+    get a parent-death signal tied to the thread that started them. Called outside the main thread, ``fn``
+    runs directly."""
     if threading.current_thread() is not threading.main_thread():
         return fn()
-    out: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            out["error"] = exc
-
-    worker = threading.Thread(target=target, name="fedsim-simulation", daemon=True)
-    worker.start()
-    while worker.is_alive():
-        worker.join(0.1)
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
+    if not _ENGINE_THREAD:
+        _ENGINE_THREAD.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedsim-engine"))
+    future = _ENGINE_THREAD[0].submit(fn)
+    while not future.done():
+        concurrent.futures.wait([future], timeout=0.1)
+    return future.result()
 
 
 @contextlib.contextmanager
