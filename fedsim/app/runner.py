@@ -22,6 +22,7 @@ import concurrent.futures
 import contextlib
 import logging
 import queue
+import signal
 import sys
 import threading
 import time
@@ -286,9 +287,26 @@ def main_thread_listens(fn: Callable[[], Any]) -> Any:
     if not _ENGINE_THREAD:
         _ENGINE_THREAD.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fedsim-engine"))
     future = _ENGINE_THREAD[0].submit(fn)
+    restored = False
     while not future.done():
         concurrent.futures.wait([future], timeout=0.1)
+        restored = restored or _python_signal_handlers_back()
     return future.result()
+
+
+def _python_signal_handlers_back() -> bool:
+    """Once Ray is up in this process, put Python's (fedsim's) SIGINT/SIGTERM handlers back in place: Ray's
+    core worker installs a native failure handler for SIGTERM over Python's (it prints "*** SIGTERM
+    received ***" and a stack), and fedsim's handler then ran late - in CI once only when the run was
+    over. ``signal.signal`` re-installs Python's own handler (main thread only). False while Ray is not up."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return False
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(sig)
+        if handler is not None:
+            signal.signal(sig, handler)
+    return True
 
 
 @contextlib.contextmanager
