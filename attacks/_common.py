@@ -137,6 +137,15 @@ def clamp_to(x: torch.Tensor, bounds: tuple[float, float] | None) -> torch.Tenso
     return x if bounds is None else x.clamp(bounds[0], bounds[1])
 
 
+def box_penalty(x: torch.Tensor, bounds: tuple[float, float] | None, stacked: bool = False) -> torch.Tensor:
+    """``sum(relu(x - hi)^2 + relu(lo - x)^2)``: how far ``x`` lies outside the value box ``bounds``
+    (0 for None); per victim (over all but the first dimension) when ``stacked``."""
+    if bounds is None:
+        return x.new_zeros(x.shape[:1] if stacked else ())
+    out = (x - bounds[1]).clamp_min(0).pow(2) + (bounds[0] - x).clamp_min(0).pow(2)
+    return out.flatten(1).sum(1) if stacked else out.sum()
+
+
 # ---------------------------------------------------------------- target gradients
 @dataclass
 class Target:

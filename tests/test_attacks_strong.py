@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from attacks import AttackInput, build_attack
-from attacks._common import prepare_target
+from attacks._common import box_penalty, generator, init_dummy, prepare_target
 from attacks.base import group_inputs
 from attacks.batched import BatchedLBFGS, StackedTarget
 from attacks.grnn import GRNNGenerator, build_generator, grnn_loss, sorted_target, wasserstein
@@ -145,7 +145,7 @@ def test_grnn_parameters_validate():
         with pytest.raises(ValueError, match=rf"attack\.{key}"):
             build_attack("grnn", **{key: bad})
     for key, bad in (("iterations", 0), ("warm", 0), ("restarts", 0), ("labels", "joint"), ("alpha", -1.0),
-                     ("max_width", 1), ("lr", 0)):
+                     ("max_width", 1), ("lr", 0), ("box", -1.0)):
         with pytest.raises(ValueError, match=rf"attack\.{key}"):
             build_attack("strongest", **{key: bad})
 
@@ -253,6 +253,29 @@ def test_run_many_matches_one_by_one():
             np.testing.assert_allclose(a.trace["loss"], b.trace["loss"], rtol=rtol)
             torch.testing.assert_close(a.inputs, b.inputs, atol=atol, rtol=0)
             assert torch.equal(a.labels, b.labels)
+
+
+def test_box_penalty_enters_the_loss_alone_and_stacked():
+    """``box`` (DLG/CPL; the ``strongest`` preset's polish) adds ``box * sum(relu(x - 1)^2 + relu(-x)^2)``
+    to the loss, not to the watched distance: from a N(0, 1) start (values outside [0, 1]) the first loss
+    is the unboxed one plus exactly that; the stacked run gives the one-by-one loss curve."""
+    assert float(box_penalty(torch.tensor([[-0.5, 0.5, 1.2]]), (0.0, 1.0))) == pytest.approx(0.29)
+    stacked = box_penalty(torch.tensor([[[2.0]], [[0.5]]]), (0.0, 1.0), stacked=True)
+    assert stacked.tolist() == [1.0, 0.0] and float(box_penalty(torch.tensor([-3.0]), None)) == 0.0
+    pairs = make_round([range(20, 22), range(22, 24)])
+    inputs = [v[0] for v in pairs]
+    x0 = init_dummy("randn", (2, *SHAPE), generator(inputs[0], 0))  # attempt 0's start, as DLG draws it
+    assert float(box_penalty(x0, (0.0, 1.0))) > 1.0
+    plain = build_attack("cpl", iterations=4, init="randn").run(inputs[0])
+    attack = build_attack("cpl", iterations=4, init="randn", box=0.5)
+    boxed = attack.run(inputs[0])
+    assert boxed.trace["loss"][0] == pytest.approx(plain.trace["loss"][0] + 0.5 * float(box_penalty(x0, (0.0, 1.0))),
+                                                   rel=1e-5)
+    assert boxed.trace["loss"][-1] != pytest.approx(plain.trace["loss"][-1], rel=1e-3)  # it steers the steps
+    many = attack.run_many(inputs)
+    assert many[0].trace.get("group_size") == 2
+    for inp, b in zip(inputs, many):
+        np.testing.assert_allclose(attack.run(inp).trace["loss"], b.trace["loss"], rtol=1e-3)
 
 
 def test_run_many_falls_back_where_not_stacked():
