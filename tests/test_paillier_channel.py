@@ -284,14 +284,12 @@ def test_the_layout_follows_the_rounds_total_weight_and_decodes_the_same(small_c
     """``round_layout``: under FedAvg the clip exchange announces the round's total weight (the example counts
     over their gcd), the clients pack at it - more values per ciphertext - and every client holds the same
     global model, bit for bit, as with the channel's largest total weight (the same exact integer sums);
-    the server refuses weights above the announced total before combining. (Without the speculative clip:
-    every round has its clip exchange.)"""
+    the server refuses weights above the announced total before combining."""
     from fedsim.protocol import CHANNEL_SETUP, CONFIG, ROUND_WEIGHT, STAGE
 
     runs = {}
     for on in ("true", "false"):
-        cfg = small_cfg(*TABULAR, "federation.rounds=2", *paillier(f"channel.round_layout={on}",
-                                                                   "channel.speculative_clip=false"))
+        cfg = small_cfg(*TABULAR, "federation.rounds=2", *paillier(f"channel.round_layout={on}"))
         runs[on] = grid, server, state, summary = _run_inprocess(cfg)
         assert summary["client_failures"] == 0
     grid, server, state, _ = runs["true"]
@@ -678,64 +676,6 @@ def test_a_bad_range_exponent_or_a_dropout_fails_alone_under_the_automatic_clip(
     got, clip = _decrypt_head(grid, server, state)
     assert clip == 2.0 ** range_exponent(np.concatenate(updates))  # from the clients that answered
     assert float(np.max(np.abs(got - expected))) <= 0.5 * clip / server.engine.channel.quantizer.max_int + 1e-7
-
-
-class Speculation:
-    """Test-only Flower mod for the speculative clip: the listed clients see a proposed clip of 2**-30 in their
-    train messages (so their update exceeds it: ``shrink``), or rewrite the clip of the ciphertexts they send in
-    a train reply (``tamper``: hostile)."""
-
-    def __init__(self, clients: list, how: str):
-        self.clients, self.how = set(clients), how
-
-    def __call__(self, msg, context, call_next):
-        from fedsim.protocol import CLIP, TRAIN
-
-        mine = int(context.node_config["partition-id"]) in self.clients and msg.metadata.message_type == TRAIN
-        if mine and self.how == "shrink" and CLIP in msg.content[CHANNEL]:
-            msg.content[CHANNEL][CLIP] = 2.0 ** -30
-        reply = call_next(msg, context)
-        if mine and self.how == "tamper" and reply.has_content() and PAYLOAD in reply.content[CHANNEL]:
-            reply.content[CHANNEL][PAYLOAD] = _rewrite(bytes(reply.content[CHANNEL][PAYLOAD]), clip=2.0)
-        return reply
-
-
-def test_the_speculative_clip_skips_the_exchange_only_when_it_is_the_exchanges_clip(small_cfg, monkeypatch):
-    """``speculative_clip``: train messages propose the previous round's clip and layout; when every client's
-    update fits and the round's largest range exponent is the proposed one, the ciphertexts come with the
-    train replies and no clip exchange runs (``channel.clip_exchange = 0``). The clip, the bound and every
-    client's global model are those of the exchange, bit for bit. A client whose update exceeds the proposed
-    clip sends no ciphertexts (nothing is clipped) and the round falls back to the exchange; a client whose
-    speculative ciphertexts are at another clip is that client's failure, the rest aggregate."""
-    from fedsim.protocol import CHANNEL_SETUP, CONFIG, SERVER_ROUND, STAGE
-
-    monkeypatch.setitem(FLOWER_MODS, "test-speculation", Speculation)
-    runs = {}
-    for label, sets in {"off": ("channel.speculative_clip=false",), "on": (),
-                        "shrink": ('client.flower_mods=[{name="test-speculation", clients=[1], how="shrink"}]',),
-                        "tamper": ('client.flower_mods=[{name="test-speculation", clients=[2], how="tamper"}]',)}.items():
-        runs[label] = _run_inprocess(small_cfg(*TABULAR, "federation.rounds=3", *paillier(*sets)))
-
-    def exchanged(grid):  # the rounds that had a clip exchange
-        return sorted({int(m.content[CONFIG][SERVER_ROUND]) for m in grid.messages_sent
-                       if m.metadata.message_type == CHANNEL_SETUP and m.content[CONFIG].get(STAGE) == "encrypt"})
-
-    rows = {k: run[1].rows[1:] for k, run in runs.items()}
-    assert exchanged(runs["off"][0]) == [1, 2, 3] and [r["channel.clip_exchange"] for r in rows["off"]] == [1] * 3
-    skipped = [r["round"] for r in rows["on"] if r["channel.clip_exchange"] == 0]
-    assert skipped and 1 not in skipped and exchanged(runs["on"][0]) == [r for r in (1, 2, 3) if r not in skipped]
-    assert exchanged(runs["shrink"][0]) == [1, 2, 3] and [r["channel.clip_exchange"] for r in rows["shrink"]] == [1] * 3
-    timing = lambda row: {k: v for k, v in row.items()  # noqa: E731
-                          if "seconds" not in k and "obfuscators" not in k and k != "channel.clip_exchange"}
-    for label in ("on", "shrink"):
-        assert runs[label][3]["client_failures"] == 0 and all(r["channel.clipped"] == 0 for r in rows[label])
-        assert [timing(r) for r in rows[label]] == [timing(r) for r in rows["off"]]  # clip, bounds, accuracy
-        for a, b in zip(_global_model(*runs[label][:3]), _global_model(*runs["off"][:3])):
-            np.testing.assert_array_equal(a, b)
-    failed = runs["tamper"][3]["failures"]
-    assert [f["round"] for f in failed] == skipped and all(f["client"] == 2 and "payload rejected (clip)" in f["reason"]
-                                                           for f in failed)
-    assert all(r["replies"] == 3 for r in runs["tamper"][1].rows if r["round"] in skipped)
 
 
 @pytest.mark.ray

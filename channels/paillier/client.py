@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import threading
 import time
 from functools import lru_cache
@@ -124,21 +123,6 @@ def _load_keys(public: bytes, private: bytes | None) -> tuple[Any, Any]:
     return pk, (private_key_from_bytes(private, pk) if private is not None else None)
 
 
-def _at_weight(s: Mapping[str, Any], weight: Any) -> dict[str, Any]:
-    """The settings at the round's total weight the server announced (or proposed): an integer in [1, the
-    channel's largest]."""
-    if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= s["max_total_weight"]:
-        raise RuntimeError(f"Paillier channel: {ROUND_WEIGHT} {str(weight)[:40]} outside [1, {s['max_total_weight']}]")
-    return {**s, "max_total_weight": weight}
-
-
-def _clip_of(clip: Any) -> float:
-    """The clip the server announced (or proposed): a positive finite number."""
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip <= 0:
-        raise RuntimeError(f"Paillier channel: {CLIP} {str(clip)[:40]} is not a positive number")
-    return float(clip)
-
-
 def _floating(template: Mapping[str, np.ndarray]) -> list[str]:
     return [k for k, v in template.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
 
@@ -182,8 +166,6 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
     def decode(self, content: RecordDict, context: Context, template: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         ch = content[CHANNEL]
         self._codec_text = str(ch[CODEC])  # the settings encode() will use for the reply
-        # the server's proposed clip and layout (speculative_clip: train messages under the automatic clip)
-        self._proposal = (ch[CLIP], ch[ROUND_WEIGHT]) if CLIP in ch and ROUND_WEIGHT in ch else None
         s = _settings(self._codec_text)
         floating = _floating(template)
         if PAYLOADS not in ch:  # round 1: the public initial model
@@ -258,17 +240,8 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
                                  for i in floating]) if floating else np.zeros(0)
         if s["clip"] is not None:
             return self._encrypt(context, s, [update], float(s["clip"]))
-        # kept until the round's clip is known: the clip exchange, when it runs, encrypts it at the round's clip
         context.state[STATE_CHANNEL_PENDING] = ArrayRecord({_UPDATE: Array(update)})
-        e = range_exponent(update)
-        proposal = getattr(self, "_proposal", None)
-        if proposal is not None:  # the previous round's clip: encrypt now if the update fits it (never clipped)
-            clip = _clip_of(proposal[0])
-            if math.ldexp(1.0, e) <= clip:
-                out = self._encrypt(context, _at_weight(s, proposal[1]), [update], clip)
-                out[CHANNEL][RANGE_EXPONENT] = e
-                return out
-        return {CHANNEL: ConfigRecord({RANGE_EXPONENT: e})}
+        return {CHANNEL: ConfigRecord({RANGE_EXPONENT: range_exponent(update)})}
 
     def _keep(self, context: Context) -> None:
         """Keep the global model :meth:`decode` rebuilt (and its round) in the client's state."""
@@ -291,8 +264,12 @@ class PaillierClientChannel(SealedKeyClient, ClientChannel):
         ch = msg.content[CHANNEL]
         s = _settings(str(ch[CODEC]))
         if ROUND_WEIGHT in ch:  # the round's total weight, known to the server once the clients replied
-            s = _at_weight(s, ch[ROUND_WEIGHT])
-        return RecordDict(self._encrypt(context, s, [update], _clip_of(ch[CLIP])))
+            weight = ch[ROUND_WEIGHT]
+            if isinstance(weight, bool) or not isinstance(weight, int) or not 1 <= weight <= s["max_total_weight"]:
+                raise RuntimeError(f"Paillier channel: {ROUND_WEIGHT} {str(weight)[:40]} outside "
+                                   f"[1, {s['max_total_weight']}]")
+            s = {**s, "max_total_weight": weight}
+        return RecordDict(self._encrypt(context, s, [update], float(ch[CLIP])))
 
     def _advance(self, msg: Message, context: Context) -> RecordDict:
         if STATE_CHANNEL_MODEL in context.state:  # names, shapes and dtypes: the model this client holds ...

@@ -33,14 +33,12 @@ class EncryptedModelCheckpoints:
     holder: dict[int, int]
 
     def state(self) -> dict[str, Any]:
-        """The key delivery's outcome (run tag, public key), who holds which global model and the clip and
-        layout the next round proposes (``speculative_clip``: public, the server chose them); the global
+        """The key delivery's outcome (run tag, public key) and who holds which global model; the global
         state itself goes through :meth:`checkpoint_arrays`. No secret: the clients' keys are in their own
         state (the client-state mirror)."""
         return {"run_tag": getattr(self, "run_tag", ""),
                 "public_key": np.frombuffer(getattr(self, "public_bytes", None) or b"", dtype=np.uint8),
-                "x0": list(self.x0 or []), "holder": {str(k): int(v) for k, v in self.holder.items()},
-                "proposal": [int(x) for x in (getattr(self, "proposal", None) or ())]}
+                "x0": list(self.x0 or []), "holder": {str(k): int(v) for k, v in self.holder.items()}}
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         if len(state.get("public_key", ())) == 0:
@@ -51,8 +49,6 @@ class EncryptedModelCheckpoints:
         self.accept_public_key(self.public_bytes)
         self.x0 = [np.asarray(a) for a in state["x0"]]
         self.holder = {int(k): int(v) for k, v in state["holder"].items()}
-        proposal = [int(x) for x in state.get("proposal", ())]  # the speculative clip's (none before it existed)
-        self.proposal = (proposal[0], proposal[1]) if len(proposal) == 2 else None
 
     def checkpoint_arrays(self, state: Any) -> list[np.ndarray]:
         if not isinstance(state, EncryptedModel):

@@ -29,7 +29,7 @@ import time
 from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
-from flwr.app import ConfigRecord, RecordDict
+from flwr.app import RecordDict
 
 from channels.initial_model import InitialModel
 from fedsim.components import CHANNELS
@@ -106,8 +106,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
     ``clip`` of the quantizer (``bits`` unset: 12 for updates, 16 for models; ``clip`` unset: the updates'
     range every round, or 4.0 for models), ``overflow`` = clip | raise, ``precision`` = P of the integer
     weights, ``packed``, ``slots``, ``advance`` (send each round's aggregate ahead to the next round's
-    clients, :meth:`after_round`), ``speculative_clip`` (propose the last round's clip and layout with
-    ``train``; the clip exchange runs only when they do not fit, :meth:`train_exchange`), ``round_layout`` (pack at the round's total weight when the clip exchange
+    clients, :meth:`after_round`), ``round_layout`` (pack at the round's total weight when the clip exchange
     makes it known, :meth:`round_total_weight`); see docs/paillier.md for the error bound and the overflow rule)."""
 
     name = "paillier"
@@ -118,7 +117,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
     def __init__(self, key_bits: Annotated[int, KEY_BITS] = DEFAULT_KEY_BITS, encrypt: Annotated[str, OneOf(*ENCRYPT)] = "update",
                  bits: int | None = None, clip: float | None = None, overflow: str = "clip",
                  precision: Annotated[int, Range(1)] = 4096, packed: bool = True, slots: int | None = None,
-                 advance: bool = True, round_layout: bool = True, speculative_clip: bool = True):
+                 advance: bool = True, round_layout: bool = True):
         self.encrypt = encrypt
         self.auto_clip = clip is None and encrypt == "update"
         fixed = 4.0 if clip is None else clip  # the auto clip changes every round: 4.0 only fills the layout
@@ -128,9 +127,6 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
         self.key_bits, self.precision, self.packed, self.slots = int(key_bits), int(precision), bool(packed), slots
         self.advance = bool(advance)
         self.round_layout = bool(round_layout)
-        self.speculative_clip = bool(speculative_clip)
-        self.proposal: tuple[int, int] | None = None  # (range exponent, total weight) the last round agreed on
-        self._exchanged = False
         self.public_key = None
         self.x0: list[np.ndarray] | None = None
         self.holder: dict[int, int] = {}  # partition -> the round whose global model it holds (update encryption)
@@ -224,33 +220,19 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
                                                           ROUNDS: [r for r, _ in chain], BASE: 0})}
 
     def train_exchange(self, ctx: RoundContext, partitions: list[int], content: RecordDict) -> list[Reply]:
-        """Each client gets the aggregate updates it has not seen; with the automatic clip, the round's common
-        clip comes from the clients' range exponents. ``speculative_clip``: the train message proposes the
-        clip and total weight the previous round agreed on, and a client whose update fits the proposed clip
-        encrypts at once and replies with the ciphertexts beside its range exponent. The proposal stands only
-        if it is exactly what the exchange would announce (the largest range exponent equal to the proposed
-        one, the round's total weight no larger than the proposed layout's) and every client sent
-        ciphertexts; otherwise a second exchange (``CHANNEL_SETUP`` stage ``encrypt``) announces the round's
-        clip and total weight, as without the proposal, and collects the ciphertexts. Either way the clip is
-        the power of two above the round's largest update entry: the same quantization, the same bound."""
+        """Each client gets the aggregate updates it has not seen; with the automatic clip, a second
+        exchange (``CHANNEL_SETUP`` stage ``encrypt``) announces the round's common clip and collects the
+        ciphertexts."""
         self._round = ctx.round
         ch = content[CHANNEL]
         self._chain = tuple(zip([int(r) for r in ch[ROUNDS]], [bytes(p) for p in ch[PAYLOADS]])) \
             if self.encrypt == "update" and PAYLOADS in ch else ()
         self._clip = self.quantizer.clip
         self._mtw = self.mtw
-        self._exchanged = False
         shared, own = content, None
         if self.encrypt == "update" and self._chain:
             shared = RecordDict({k: v for k, v in content.items() if k not in (ARRAYS, CHANNEL)})
             own = {p: self._train_records(p) for p in partitions}
-        proposal = self.proposal if self.auto_clip and self.speculative_clip else None
-        if proposal is not None:  # the previous round's clip and layout, in every train message's channel record
-            offer = {CLIP: math.ldexp(1.0, proposal[0]), ROUND_WEIGHT: proposal[1]}
-            if own is not None:
-                own = {p: {**rec, CHANNEL: ConfigRecord({**rec[CHANNEL], **offer})} for p, rec in own.items()}
-            else:
-                shared = RecordDict({**dict(content.items()), CHANNEL: ConfigRecord({**content[CHANNEL], **offer})})
         replies = ctx.send(partitions, TRAIN, shared, own, "train")
         answered = {r.partition for r in replies}
         for p in partitions:  # it may not hold what we think (a lost state): send it everything next time
@@ -258,7 +240,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
                 self.holder.pop(p, None)
         if not self.auto_clip:
             return replies
-        ready, exps, encrypted = [], [], True
+        ready, exps = [], []
         for r in replies:
             rec = r.record(CHANNEL) if r.has(CHANNEL) else {}
             e = rec.get(RANGE_EXPONENT) if hasattr(rec, "get") else None
@@ -270,17 +252,10 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
                 continue
             ready.append(r)
             exps.append(e)
-            encrypted = encrypted and PAYLOAD in rec
         if not ready:
             return []
         self._clip = math.ldexp(1.0, max(exps))
         self._mtw = self.round_total_weight(ctx, ready)
-        if self.speculative_clip:
-            self.proposal = (max(exps), self._mtw)
-        if proposal is not None and encrypted and max(exps) == proposal[0] and self._mtw <= proposal[1]:
-            self._mtw = proposal[1]  # the layout the clients packed at: headroom for this round's total weight
-            return ready  # their ciphertexts are in the train replies (check_reply checks them at this clip)
-        self._exchanged = True
         config = self.stage_config("encrypt", ctx.round)
         msg = RecordDict({CONFIG: config, CHANNEL: self.channel_record(**{CLIP: self._clip, ROUND_WEIGHT: self._mtw})})
         done = {r.partition: r for r in ctx.send([r.partition for r in ready], CHANNEL_SETUP, msg, None,
@@ -401,7 +376,6 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
                          "clipped": float(sum(r.extra.get(CLIPPED, 0.0) for r in replies)),
                          "inline_obfuscators": float(sum(r.extra.get(INLINE_OBFUSCATORS, 0.0) for r in replies)),
                          "payload_bytes": float(len(payload)), "clip": self._clip,
-                         **({"clip_exchange": float(self._exchanged)} if self.auto_clip else {}),
                          "values_per_ciphertext": float(self.expected["slots"]),
                          # |decoded - sum_i p_i x_i| per value (docs/paillier.md): rounding, plus the
                          # integer weights' deviation from the rule's weights times the largest |value|
