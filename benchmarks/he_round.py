@@ -130,7 +130,7 @@ def measure(grid_for, args: argparse.Namespace, channels=CHANNELS) -> dict:
             if record.replies != args.clients or record.failures or ev["accuracy"] is None:
                 raise RuntimeError(f"{name}, round {rnd}: {record.replies} replies, failures {record.failures[:1]}")
             for key in ("encrypt_seconds_mean", "decrypt_seconds_max", "combine_seconds", "payload_bytes", "clip",
-                        "quantization_bound", "error_bound", "clip_exchange"):
+                        "quantization_bound", "error_bound"):
                 if key in record.channel_metrics:
                     extra[name].setdefault(key, []).append(float(record.channel_metrics[key]))
             split = ", ".join(f"{ph} {phases[name][ph]:.2f}" for ph in phases[name])
@@ -148,9 +148,6 @@ def measure(grid_for, args: argparse.Namespace, channels=CHANNELS) -> dict:
                       "cpu_s": statistics.median(cpu[name][1:]),
                       "cpu_ratio": statistics.median(cpu[name][1:]) / statistics.median(cpu["plain"][1:]),
                       "median_ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                      # the measured rounds that ran a clip exchange (Paillier's automatic clip), of how many
-                      "clip_exchanges": (sum(extra[name]["clip_exchange"][1:]), len(mine))
-                      if "clip_exchange" in extra[name] else None,
                       **{k: statistics.median(v[1:] or v) for k, v in extra[name].items()}}
     return rows
 
@@ -279,13 +276,12 @@ def main() -> None:
                   f"{comb} | {size} |")
         print("\nwhere the round goes (medians, s): each exchange from send to its last reply, and the server's "
               "own work\n")
-        print("| channel | " + " | ".join(PHASES) + " | server | decryption (advance, max) | clip exchanges |")
-        print("|---|" + "---|" * (len(PHASES) + 3))
+        print("| channel | " + " | ".join(PHASES) + " | server | decryption in the advance (slowest client) |")
+        print("|---|" + "---|" * (len(PHASES) + 2))
         for name, r in rows.items():
             dec = f"{r['decrypt_seconds_max']:.2f}" if "decrypt_seconds_max" in r else "-"
-            ex = "%d of %d" % r["clip_exchanges"] if r.get("clip_exchanges") else "-"
             print(f"| {name} | " + " | ".join(f"{r.get(f'{ph} s', 0.0):.2f}" for ph in PHASES)
-                  + f" | {r['server s']:.2f} | {dec} | {ex} |")
+                  + f" | {r['server s']:.2f} | {dec} |")
         print()
     if mem:
         print("resident memory, one process per channel (in-process, setup + 2 rounds):\n")
