@@ -276,11 +276,12 @@ def main() -> None:
                   f"{comb} | {size} |")
         print("\nwhere the round goes (medians, s): each exchange from send to its last reply, and the server's "
               "own work\n")
-        print("| channel | " + " | ".join(PHASES) + " | server |")
-        print("|---|" + "---|" * (len(PHASES) + 1))
+        print("| channel | " + " | ".join(PHASES) + " | server | decryption in the advance (slowest client) |")
+        print("|---|" + "---|" * (len(PHASES) + 2))
         for name, r in rows.items():
+            dec = f"{r['decrypt_seconds_max']:.2f}" if "decrypt_seconds_max" in r else "-"
             print(f"| {name} | " + " | ".join(f"{r.get(f'{ph} s', 0.0):.2f}" for ph in PHASES)
-                  + f" | {r['server s']:.2f} |")
+                  + f" | {r['server s']:.2f} | {dec} |")
         print()
     if mem:
         print("resident memory, one process per channel (in-process, setup + 2 rounds):\n")

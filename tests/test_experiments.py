@@ -503,6 +503,16 @@ def test_an_experiment_runs_three_seeds_and_publishes_the_claims_decided_over_th
     index = (tmp_path / "pub" / "README.md").read_text()
     assert "| - | 1 (before seeds) | **holds** |" in index
     assert "Verdicts over seeds: 1 holds, 1 does not hold. 1 claim published before claims were decided" in index
+    # the experiment file changed after its publication: a claim it no longer makes is superseded (not counted),
+    # one it makes now but the publication lacks is not yet published
+    (old / "meta.json").write_text(json.dumps({"title": "old one", "commit": "abc1234"}))
+    write_results_index(tmp_path / "pub", current={"old": ["t2"]})
+    index = (tmp_path / "pub" / "README.md").read_text()
+    assert "| t | 0.5 > 0.4 | - | 1 (before seeds) | **superseded**: the experiment no longer makes this claim " \
+           "(it changed after commit abc1234)" in index
+    assert "| t2 | - | - | - | **not yet published**: added to the experiment after commit abc1234" in index
+    assert "Verdicts over seeds: 1 holds, 1 does not hold. 1 published claim superseded and 1 claim of the " \
+           "experiments not yet published" in index and "before claims were decided" not in index
 
 
 def test_rerun_skips_complete_variants_and_publish_writes_the_index(tmp_path, capsys):

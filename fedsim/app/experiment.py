@@ -124,20 +124,40 @@ def publish(run_dir: Path, dest_root: Path, name: str, argv: Sequence[str]) -> P
 DISAGREEMENTS = "disagreements.md"  # hand-written, kept beside the index and included in it
 
 
-def write_results_index(root: Path) -> None:
+def current_claims(experiments: dict[str, Path] | None = None) -> dict[str, list[str]]:
+    """The claim texts each experiment file makes today, by experiment name."""
+    files = experiment_files() if experiments is None else experiments
+    return {name: [str(c.get("text", "")) for c in read_toml(p, "experiment file")["experiment"].get("claims", [])]
+            for name, p in files.items()}
+
+
+def write_results_index(root: Path, current: dict[str, list[str]] | None = None) -> None:
     """``root/README.md``: every published experiment's claims with the numbers over seeds, the interval
     that decided each, the seeds and the verdict; then ``root/disagreements.md`` (hand-written: where
-    fedsim and the papers disagree, and why) when it exists."""
+    fedsim and the papers disagree, and why) when it exists. ``current`` (default: the experiment files'
+    claims, :func:`current_claims`) marks what changed since a publication: a published claim the experiment
+    no longer makes is **superseded** (not counted among the verdicts), and a claim the experiment makes
+    but its publication lacks is **not yet published**."""
     from fedsim.claims import LEVEL, MIN_SEEDS, cell, verdict_of
 
-    rows, counts, legacy = [], {}, 0
+    current = current_claims() if current is None else current
+    rows, counts, legacy, superseded, pending = [], {}, 0, 0, 0
     for d in sorted(p for p in root.iterdir() if (p / "meta.json").exists()):
         meta = json.loads((d / "meta.json").read_text())
         claims = json.loads((d / "claims.json").read_text()) if (d / "claims.json").exists() else []
         link = f"[{meta['title']}]({d.name}/report.md)"
-        if not claims:
+        now = current.get(d.name)
+        since = f"commit {meta['commit']}" if meta.get("commit") else "its publication"
+        if not claims and not now:
             rows.append(f"| {link} | (tables only) | see report | - | - | - |")
         for c in claims:
+            if now is not None and c["text"] not in now:
+                superseded += 1
+                rows.append(f"| {link} | {cell(c['text'])} | {cell(c['ours'])} | {cell(c.get('interval', '-'))} | "
+                            f"{', '.join(str(s) for s in c.get('seeds', [])) or '1 (before seeds)'} | **superseded**: "
+                            f"the experiment no longer makes this claim (it changed after {cell(since)}); "
+                            "re-publish it |")
+                continue
             v = verdict_of(c)
             if "seeds" in c:
                 counts[v] = counts.get(v, 0) + 1
@@ -149,6 +169,12 @@ def write_results_index(root: Path) -> None:
             why = f": {c['why']}" if c.get("why") else ""
             rows.append(f"| {link} | {cell(text)} | {cell(c['ours'])} | {cell(c.get('interval', '-'))} | {seeds} | "
                         f"**{v}**{cell(why)} |")
+        published = {c["text"] for c in claims}
+        for text in now or []:
+            if text not in published:
+                pending += 1
+                rows.append(f"| {link} | {cell(text)} | - | - | - | **not yet published**: added to the experiment "
+                            f"after {cell(since)}; re-publish it |")
     plural = {"holds": "hold", "does not hold": "do not hold", "inconclusive": "inconclusive",
               "not measured": "not measured"}
     summary = ", ".join(f"{counts[v]} {v if counts[v] == 1 else plural[v]}" for v in plural if counts.get(v))
@@ -157,6 +183,12 @@ def write_results_index(root: Path) -> None:
         "decided over seeds (seeds: *1 (before seeds)*): their holds / does not hold compares one run's two "
         "numbers, without an interval, and is replaced when the experiment is re-published (`make results`)."
         if legacy else "")
+    changed = [f"{superseded} published claim{'s' if superseded != 1 else ''} superseded" if superseded else "",
+               f"{pending} claim{'s' if pending != 1 else ''} of the experiments not yet published" if pending else ""]
+    if superseded or pending:
+        summary += (" " if summary else "") + " and ".join(x for x in changed if x) + (
+            " (the experiment files changed after their last publication: the rows say which; re-publishing "
+            "replaces them).")
     lines = ["# Results\n", "Each folder holds an experiment's latest full report (`fedsim experiment NAME "
              "--publish docs/results`), with its command, date and commit. The table lists every paper claim "
              "the experiments check: what the paper says, what we measured, and the verdict. The reports say "
