@@ -57,6 +57,7 @@ from fedsim.params import OneOf
 from ._common import (
     ABOVE_ZERO,
     Count,
+    FlatParameters,
     Init,
     Labels,
     LayerWeights,
@@ -212,8 +213,9 @@ class RegularisedInvertingGradients(Attack):
             fc = model.get_submodule(w_name.rsplit(".", 1)[0]) if "." in w_name else model
             hooks.append(fc.register_forward_pre_hook(lambda _m, a: captured.__setitem__("h", a[0])))
         if self.image_prior:
-            prior = ImagePrior(inp.input_shape, n, gen, width=self.prior_width, depth=self.prior_depth).to(inp.device)
-            variables = list(prior.parameters())
+            prior = FlatParameters(ImagePrior(inp.input_shape, n, gen, width=self.prior_width,
+                                              depth=self.prior_depth).to(inp.device))
+            variables = [prior.flat]  # Adam steps the U-Net's weights as one flat tensor (the same arithmetic)
             lr = self.lr if self.lr is not None else 3e-3
 
             def images() -> torch.Tensor:

@@ -14,10 +14,18 @@ import pytest
 import torch
 
 from attacks import AttackInput, build_attack
-from attacks._common import box_penalty, generator, init_dummy, prepare_target
+from attacks._common import FlatParameters, box_penalty, generator, init_dummy, prepare_target
 from attacks.base import group_inputs
 from attacks.batched import BatchedLBFGS, StackedTarget
-from attacks.grnn import GRNNGenerator, build_generator, grnn_loss, sorted_target, wasserstein
+from attacks.grnn import (
+    GRNNGenerator,
+    build_generator,
+    grnn_loss,
+    sort_last,
+    sorted_target,
+    upsample_conv,
+    wasserstein,
+)
 from fedsim.data.registry import load_dataset
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model
@@ -88,6 +96,52 @@ def test_generator_shapes_and_resolution_handling():
     b = build_generator(16, 10, (1, 28, 28), torch.Generator().manual_seed(5), torch.device("cpu"))
     assert torch.equal(torch.random.get_rng_state(), state)
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def test_generator_fast_forms_compute_the_reference_function():
+    """The speed-ups of GRNN's step compute what the plain operations do (docs/benchmarks.md)."""
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(7)
+    # nearest x2 + 3x3 convolution in the sub-pixel form, values and gradients
+    for co in (2, 6, 32):
+        x = torch.randn(3, 5, 6, 7, generator=g, requires_grad=True)
+        w = torch.randn(co, 5, 3, 3, generator=g, requires_grad=True)
+        ref = F.conv2d(F.interpolate(x, scale_factor=2.0, mode="nearest"), w, padding=1)
+        fast = upsample_conv(x, w)
+        torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+        up = torch.randn(ref.shape, generator=g)
+        for a, b in zip(torch.autograd.grad(ref, [x, w], up), torch.autograd.grad(fast, [x, w], up)):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    # the generator (stem as a matrix product, sub-pixel last block) against its modules applied plainly
+    gen = build_generator(16, 10, (1, 28, 28), g, torch.device("cpu"), max_width=8)
+    z = torch.randn(4, 16, generator=g)
+    h = F.glu(gen.stem(z[:, :, None, None]), dim=1)
+    for u in gen.ups:
+        h = F.glu(u.bn(u.conv(F.interpolate(h, scale_factor=2.0, mode="nearest"))), dim=1)
+    torch.testing.assert_close(gen(z)[0], torch.sigmoid(h)[:, :, 2:30, 2:30], rtol=1e-5, atol=1e-6)
+    # the NumPy order gives torch.sort's values and gradient (distinct entries)
+    a = torch.randn(2, 500, generator=g, requires_grad=True)
+    up = torch.randn(2, 500, generator=g)
+    ref, fast = torch.sort(a, dim=-1).values, sort_last(a)
+    assert torch.equal(ref, fast)
+    assert torch.equal(*(torch.autograd.grad(v, a, up)[0] for v in (ref, fast)))
+    # one flat tensor under RMSprop moves every weight as RMSprop over the separate tensors does
+    def image_branch(gen):
+        return [p for n, p in gen.named_parameters() if not n.startswith("label.")]
+
+    def fresh():
+        return build_generator(16, 10, (1, 28, 28), torch.Generator().manual_seed(1), torch.device("cpu"), max_width=8)
+
+    plain, flat = fresh(), FlatParameters(fresh(), lambda n: not n.startswith("label."))
+    runs = [(image_branch(plain), plain), ([flat.flat], flat)]
+    opts = [torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9) for ps, _ in runs]
+    for _ in range(3):
+        for (ps, net), opt in zip(runs, opts):
+            for p, gr in zip(ps, torch.autograd.grad(net(z)[0].pow(2).sum(), ps)):
+                p.grad = gr
+            opt.step()
+    torch.testing.assert_close(torch.cat([p.detach().flatten() for p in image_branch(plain)]), flat.flat.detach())
+    assert not torch.equal(flat.flat.detach(), torch.cat([p.detach().flatten() for p in image_branch(fresh())]))
 
 
 def test_wasserstein_distances():
