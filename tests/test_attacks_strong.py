@@ -17,15 +17,8 @@ from attacks import AttackInput, build_attack
 from attacks._common import FlatParameters, box_penalty, generator, init_dummy, prepare_target
 from attacks.base import group_inputs
 from attacks.batched import BatchedLBFGS, StackedTarget
-from attacks.grnn import (
-    GRNNGenerator,
-    build_generator,
-    grnn_loss,
-    sort_last,
-    sorted_target,
-    upsample_conv,
-    wasserstein,
-)
+from attacks.grnn import grnn_loss, sort_last, sorted_target, wasserstein
+from attacks.grnn_generator import GRNNGenerator, build_generator, upsample_conv
 from fedsim.data.registry import load_dataset
 from fedsim.metrics import score_reconstruction
 from fedsim.models import build_model

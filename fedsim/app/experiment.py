@@ -131,17 +131,14 @@ def current_claims(experiments: dict[str, Path] | None = None) -> dict[str, list
             for name, p in files.items()}
 
 
-def write_results_index(root: Path, current: dict[str, list[str]] | None = None) -> None:
-    """``root/README.md``: every published experiment's claims with the numbers over seeds, the interval
-    that decided each, the seeds and the verdict; then ``root/disagreements.md`` (hand-written: where
-    fedsim and the papers disagree, and why) when it exists. ``current`` (default: the experiment files'
-    claims, :func:`current_claims`) marks what changed since a publication: a published claim the experiment
-    no longer makes is **superseded** (not counted among the verdicts), and a claim the experiment makes
-    but its publication lacks is **not yet published**."""
-    from fedsim.claims import LEVEL, MIN_SEEDS, cell, verdict_of
+def _index_rows(root: Path, current: dict[str, list[str]]) -> tuple[list[str], dict[str, int], int, int, int]:
+    """The index's table rows, the verdict counts over seeds, and how many claims are from before seeds,
+    superseded and not yet published (:func:`write_results_index`)."""
+    from fedsim.claims import cell, verdict_of
 
-    current = current_claims() if current is None else current
-    rows, counts, legacy, superseded, pending = [], {}, 0, 0, 0
+    rows: list[str] = []
+    counts: dict[str, int] = {}
+    legacy = superseded = pending = 0
     for d in sorted(p for p in root.iterdir() if (p / "meta.json").exists()):
         meta = json.loads((d / "meta.json").read_text())
         claims = json.loads((d / "claims.json").read_text()) if (d / "claims.json").exists() else []
@@ -175,6 +172,19 @@ def write_results_index(root: Path, current: dict[str, list[str]] | None = None)
                 pending += 1
                 rows.append(f"| {link} | {cell(text)} | - | - | - | **not yet published**: added to the experiment "
                             f"after {cell(since)}; re-publish it |")
+    return rows, counts, legacy, superseded, pending
+
+
+def write_results_index(root: Path, current: dict[str, list[str]] | None = None) -> None:
+    """``root/README.md``: every published experiment's claims with the numbers over seeds, the interval
+    that decided each, the seeds and the verdict; then ``root/disagreements.md`` (hand-written: where
+    fedsim and the papers disagree, and why) when it exists. ``current`` (default: the experiment files'
+    claims, :func:`current_claims`) marks what changed since a publication: a published claim the experiment
+    no longer makes is **superseded** (not counted among the verdicts), and a claim the experiment makes
+    but its publication lacks is **not yet published**."""
+    from fedsim.claims import LEVEL, MIN_SEEDS
+
+    rows, counts, legacy, superseded, pending = _index_rows(root, current_claims() if current is None else current)
     plural = {"holds": "hold", "does not hold": "do not hold", "inconclusive": "inconclusive",
               "not measured": "not measured"}
     summary = ", ".join(f"{counts[v]} {v if counts[v] == 1 else plural[v]}" for v in plural if counts.get(v))
