@@ -219,6 +219,33 @@ def layer_weights(spec: Any, names: Sequence[str],
     return spec
 
 
+def flatten_gradients(tensors: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor | None = None,
+                      stacked: bool = False) -> torch.Tensor:
+    """The tensors as one vector (per victim when ``stacked``: every tensor has a leading victim
+    dimension), each scaled by the square root of its layer weight (``weights`` ``(A, L)`` when stacked):
+    :func:`gradient_distance` of two lists is :func:`vector_distance` of their flat forms (up to float
+    rounding), in a few operations instead of a few per tensor."""
+    lead = tensors[0].shape[:1] if stacked else ()
+    if weights is None:
+        return torch.cat([t.reshape(*lead, -1) for t in tensors], -1)
+
+    def sq(i: int):
+        return weights[:, i].sqrt().unsqueeze(1) if stacked else math.sqrt(float(weights[i]))
+
+    return torch.cat([t.reshape(*lead, -1) * sq(i) for i, t in enumerate(tensors)], -1)
+
+
+def vector_distance(d: torch.Tensor, t: torch.Tensor, metric: str = "l2") -> torch.Tensor:
+    """:func:`gradient_distance` between two flat gradients (:func:`flatten_gradients`), over the last
+    dimension."""
+    if metric == "l2":
+        return (d - t).pow(2).sum(-1)
+    if metric == "cosine":
+        dn, tn = d.pow(2).sum(-1), t.pow(2).sum(-1)
+        return 1 - (d * t).sum(-1) / (dn.clamp_min(1e-24).sqrt() * tn.clamp_min(1e-24).sqrt())
+    raise ValueError(f"unknown gradient distance {metric!r}; use 'l2' or 'cosine'")
+
+
 def gradient_distance(dummy: Sequence[torch.Tensor], target: Sequence[torch.Tensor], metric: str = "l2",
                       weights: Sequence[float] | None = None) -> torch.Tensor:
     """Distance between two gradient lists (same order, same shapes).

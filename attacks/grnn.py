@@ -34,8 +34,10 @@ Wasserstein term and the TV term. What makes them cheap without changing what is
 float rounding): the fixed target gradient is sorted once per attempt, the dummy gradient's order
 comes from NumPy's argsort on the CPU (:func:`sort_last`), the stem is one matrix product, the last
 upsampling block (2 output channels) runs in the sub-pixel form
-(:func:`attacks.grnn_generator.upsample_conv`; the generator is in :mod:`attacks.grnn_generator`), and RMSprop
-steps the weights as one flat tensor (:class:`attacks._common.FlatParameters`).
+(:func:`attacks.grnn_generator.upsample_conv`; the generator is in :mod:`attacks.grnn_generator`), RMSprop
+steps the weights as one flat tensor whose memory the generator's parameters share
+(:class:`attacks._common.FlatParameters`), and the MSE and Wasserstein terms are computed on the
+gradients as one flat vector (:func:`grnn_loss`).
 
 Labels: ``labels="idlg"`` (the default) fixes the labels inferred from the gradient
 (:mod:`attacks.labels`: exact at batch 1, class counts above) and leaves the label branch unused;
@@ -82,7 +84,7 @@ from ._common import (
     prepare_target,
 )
 from .base import Attack, AttackInput, AttackResult, register
-from .gradients import assumed_schedule, simulate_update
+from .gradients import assumed_schedule, flatten_gradients, simulate_update, vector_distance
 from .grnn_generator import GRNNGenerator, build_generator
 from .inverting import total_variation, tv_stacked
 
@@ -122,27 +124,13 @@ def wasserstein(a: torch.Tensor, b: torch.Tensor, mode: str, b_sorted: bool = Fa
     return (sa - sb).pow(2).mean(-1).clamp_min(1e-30).sqrt()
 
 
-def _flat(tensors: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor | None,
-          stacked: bool) -> torch.Tensor:
-    """The tensors flattened into one vector (per victim when ``stacked``), each scaled by the square
-    root of its layer weight (weights ``(A, L)`` when stacked)."""
-    lead = tensors[0].shape[:1] if stacked else ()
-    if weights is None:
-        return torch.cat([t.reshape(*lead, -1) for t in tensors], -1)
-
-    def sq(i: int):
-        return weights[:, i].sqrt().unsqueeze(1) if stacked else math.sqrt(float(weights[i]))
-
-    return torch.cat([t.reshape(*lead, -1) * sq(i) for i, t in enumerate(tensors)], -1)
-
-
 def sorted_target(target: Sequence[torch.Tensor], weights: Sequence[float] | torch.Tensor | None, wd: str,
                   stacked: bool = False) -> torch.Tensor | None:
     """The target gradient as :func:`grnn_loss`'s Wasserstein term compares it, sorted once (None where
     the term sorts nothing)."""
     if wd not in ("w1", "w2"):
         return None
-    return torch.sort(_flat([t.detach() for t in target], weights, stacked), dim=-1).values
+    return torch.sort(flatten_gradients([t.detach() for t in target], weights, stacked), dim=-1).values
 
 
 def grnn_loss(dummy: Sequence[torch.Tensor], target: Sequence[torch.Tensor],
@@ -152,23 +140,18 @@ def grnn_loss(dummy: Sequence[torch.Tensor], target: Sequence[torch.Tensor],
 
     ``stacked``: every tensor has a leading victim dimension ``A`` and ``weights`` is ``(A, L)`` or None;
     the result is then ``(A,)``. Layer weights scale the squared distance of their tensor and, by their
-    square root, its entries in the Wasserstein term. ``target_sorted``: :func:`sorted_target` of
-    ``target`` (saves sorting the fixed target at every step; the result is the same).
+    square root, its entries in the Wasserstein term. Both terms are computed on the flat gradients
+    (:func:`attacks.gradients.flatten_gradients`: the same values up to float rounding, a few operations
+    instead of a few per tensor). ``target_sorted``: :func:`sorted_target` of ``target`` (saves sorting
+    the fixed target at every step; the result is the same).
     """
-    lead = dummy[0].shape[:1] if stacked else ()
-
-    def w(i: int):
-        if weights is None:
-            return 1.0
-        return weights[:, i] if stacked else float(weights[i])
-
-    mse = sum(w(i) * (d - t).pow(2).reshape(*lead, -1).sum(-1) for i, (d, t) in enumerate(zip(dummy, target)))
+    fd, ft = flatten_gradients(dummy, weights, stacked), flatten_gradients(target, weights, stacked)
+    mse = vector_distance(fd, ft)  # the weighted squared distance, on the flat vectors
     if wd == "none":
         return mse, mse
-    fd = _flat(dummy, weights, stacked)
     if target_sorted is not None and wd in ("w1", "w2"):
         return mse + wasserstein(fd, target_sorted, wd, b_sorted=True), mse
-    return mse + wasserstein(fd, _flat(target, weights, stacked), wd), mse
+    return mse + wasserstein(fd, ft, wd), mse
 
 
 def tv_loss(x: torch.Tensor) -> torch.Tensor:
@@ -251,8 +234,7 @@ class GRNN(Attack):
         module, z = self._start(inp, n, attempt)
         # with fixed labels the label branch is unused; RMSprop steps the weights as one flat tensor
         gen = FlatParameters(module, lambda name: y_fixed is None or not name.startswith("label."))
-        params = [gen.flat]
-        opt = torch.optim.RMSprop(params, lr=self.lr, momentum=self.momentum)
+        opt = torch.optim.RMSprop([gen.flat], lr=self.lr, momentum=self.momentum)
         tsorted = None if self.fedavg_aware else sorted_target(target.matched_grads, target.weights, self.wd)
         losses: list[float] = []
         best_x, best_y, best_loss = None, None, math.inf
@@ -273,9 +255,7 @@ class GRNN(Attack):
             if self.threshold is not None and converged_at is None and float(mse.detach()) < self.threshold:
                 converged_at = it
             progress.tick(it + 1, self.iterations, distance=float(mse.detach()))
-            grads = torch.autograd.grad(loss, params)
-            for p, g in zip(params, grads):
-                p.grad = g
+            gen.set_grad(torch.autograd.grad(loss, gen.params))
             opt.step()
         if best_x is None:  # diverged at once: the initial generator output
             with torch.no_grad():

@@ -37,6 +37,11 @@ prior, Adam with the step divided by 10 at 3/8, 5/8 and 7/8 of the iterations, i
   reconstructions worse on the BatchNorm LeNet (MSE 0.056 vs 0.0076 at 400 iterations untrained, 0.070
   vs 0.062 trained; benchmarks/attack_priors.py), so ``ig-fr`` leaves it off by default.
 
+Cost per step (docs/benchmarks.md "Attack speed"): the gradient cosine is computed on the gradients
+as one flat vector (:meth:`attacks._common.Target.flat_distance`, equal to the per-tensor sums up to
+float rounding) and Adam steps the image prior's weights as one flat tensor that the U-Net's
+parameters share (:class:`attacks._common.FlatParameters`).
+
 Both attacks match the observed update as one (average) gradient: a multi-step update is attacked as
 its pseudo-gradient ``-update / (lr K)``, not replayed (``ig``'s ``fedavg_aware`` is not offered).
 The paper's formulas for the reweighting and the final objective were lost in the seed's text; the
@@ -46,7 +51,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Annotated, Any, Mapping
+from typing import Annotated, Any, Mapping, Sequence
 
 import torch
 
@@ -215,19 +220,19 @@ class RegularisedInvertingGradients(Attack):
         if self.image_prior:
             prior = FlatParameters(ImagePrior(inp.input_shape, n, gen, width=self.prior_width,
                                               depth=self.prior_depth).to(inp.device))
-            variables = [prior.flat]  # Adam steps the U-Net's weights as one flat tensor (the same arithmetic)
-            lr = self.lr if self.lr is not None else 3e-3
-
-            def images() -> torch.Tensor:
-                return prior()
+            # Adam steps the U-Net's weights as one flat tensor (the same arithmetic)
+            variables, wrt, lr = [prior.flat], prior.params, self.lr if self.lr is not None else 3e-3
+            images, set_grads = prior, prior.set_grad
         else:
             xv = init_dummy(self.init, (n, *inp.input_shape), gen, self.pattern).to(inp.device)
             xv = xv.clamp(0, 1).requires_grad_(True)
-            variables = [xv]
-            lr = self.lr if self.lr is not None else 0.1
+            variables, wrt, lr = [xv], [xv], self.lr if self.lr is not None else 0.1
 
             def images() -> torch.Tensor:
                 return xv
+
+            def set_grads(grads: Sequence[torch.Tensor]) -> None:
+                xv.grad = grads[0].sign() if self.signed else grads[0]
         opt = torch.optim.Adam(variables, lr=lr)
         milestones = sorted({max(1, int(self.iterations * f)) for f in (3 / 8, 5 / 8, 7 / 8)})
         sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=milestones, gamma=0.1) if self.lr_decay \
@@ -238,9 +243,8 @@ class RegularisedInvertingGradients(Attack):
         converged_at = None
         try:
             for it in range(self.iterations):
-                opt.zero_grad(set_to_none=True)
                 x = images()
-                dist, _ = target.distance(x, y, "cosine")
+                dist, _ = target.flat_distance(x, y, "cosine")
                 terms = {"grad": dist}
                 if self.tv:
                     terms["tv"] = self.tv * total_variation(x)
@@ -251,7 +255,7 @@ class RegularisedInvertingGradients(Attack):
                     fl = squared_cosine_loss(h, feats.features) if form == "match" else span_loss(h, feats.basis)
                     terms["feat"] = self.features * fl
                 loss = sum(terms.values())
-                grads = torch.autograd.grad(loss, variables)
+                grads = torch.autograd.grad(loss, wrt)
                 value = float(loss.detach())
                 if not math.isfinite(value):
                     break
@@ -262,8 +266,7 @@ class RegularisedInvertingGradients(Attack):
                 if self.threshold is not None and converged_at is None and float(dist.detach()) < self.threshold:
                     converged_at = it
                 progress.tick(it + 1, self.iterations, distance=float(dist.detach()))
-                for v, g in zip(variables, grads):
-                    v.grad = g.sign() if (self.signed and not self.image_prior) else g
+                set_grads(grads)
                 opt.step()
                 if sched is not None:
                     sched.step()

@@ -16,10 +16,14 @@ from attacks import ATTACKS, AttackInput, AttackResult, build_attack
 from attacks._common import init_dummy, prepare_target
 from attacks.gradients import (
     assumed_schedule,
+    flatten_gradients,
+    gradient_distance,
     local_step_count,
     simulate_update,
     update_to_gradient,
+    vector_distance,
 )
+from attacks.grnn import grnn_loss
 from attacks.labels import infer_label_counts, infer_labels, infer_labels_batch, infer_labels_counts
 from fedsim.data.registry import load_dataset
 from fedsim.metrics import score_reconstruction
@@ -83,6 +87,22 @@ def test_one_step_conversion_equals_autograd():
     assert list(got) == list(params)
     for (name, g) in zip(params, grads):
         torch.testing.assert_close(got[name], g, atol=2e-5, rtol=1e-4)
+
+
+def test_flat_gradient_distances_equal_the_per_tensor_sums():
+    """GRNN's and ig-bn/ig-fr's fast form: the distances on the gradients flattened into one vector are
+    gradient_distance's per-tensor sums (values and gradients, with and without layer weights)."""
+    g = torch.Generator().manual_seed(7)
+    dummy = [torch.randn(4, 3, generator=g, requires_grad=True), torch.randn(5, generator=g, requires_grad=True)]
+    target = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)]
+    for w in (None, [1.0, 0.25]):
+        for metric in ("l2", "cosine"):
+            ref = gradient_distance(dummy, target, metric, w)
+            fast = vector_distance(flatten_gradients(dummy, w), flatten_gradients(target, w), metric)
+            torch.testing.assert_close(fast, ref)
+            for a, b in zip(torch.autograd.grad(ref, dummy), torch.autograd.grad(fast, dummy)):
+                torch.testing.assert_close(b, a)
+        torch.testing.assert_close(grnn_loss(dummy, target, w, "none")[1], gradient_distance(dummy, target, "l2", w))
 
 
 def test_conversion_drops_buffers_and_counts_steps():

@@ -126,15 +126,18 @@ def test_generator_fast_forms_compute_the_reference_function():
         return build_generator(16, 10, (1, 28, 28), torch.Generator().manual_seed(1), torch.device("cpu"), max_width=8)
 
     plain, flat = fresh(), FlatParameters(fresh(), lambda n: not n.startswith("label."))
-    runs = [(image_branch(plain), plain), ([flat.flat], flat)]
-    opts = [torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9) for ps, _ in runs]
+    opts = [torch.optim.RMSprop(ps, lr=1e-2, momentum=0.9) for ps in (image_branch(plain), [flat.flat])]
     for _ in range(3):
-        for (ps, net), opt in zip(runs, opts):
-            for p, gr in zip(ps, torch.autograd.grad(net(z)[0].pow(2).sum(), ps)):
-                p.grad = gr
+        ps = image_branch(plain)
+        for p, gr in zip(ps, torch.autograd.grad(plain(z)[0].pow(2).sum(), ps)):
+            p.grad = gr
+        flat.set_grad(torch.autograd.grad(flat(z)[0].pow(2).sum(), flat.params))
+        for opt in opts:
             opt.step()
-    torch.testing.assert_close(torch.cat([p.detach().flatten() for p in image_branch(plain)]), flat.flat.detach())
-    assert not torch.equal(flat.flat.detach(), torch.cat([p.detach().flatten() for p in image_branch(fresh())]))
+    moved = torch.cat([p.detach().flatten() for p in image_branch(plain)])
+    torch.testing.assert_close(flat.flat.detach(), moved)  # the flat tensor moved as the separate weights
+    torch.testing.assert_close(flat(z)[0], plain(z)[0])  # and the module runs on it
+    assert not torch.equal(moved, torch.cat([p.detach().flatten() for p in image_branch(fresh())]))
 
 
 def test_wasserstein_distances():
