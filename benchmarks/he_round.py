@@ -129,7 +129,7 @@ def measure(grid_for, args: argparse.Namespace, channels=CHANNELS) -> dict:
             extra[name].setdefault("server s", []).append(times[name][-1] - exchanged)
             if record.replies != args.clients or record.failures or ev["accuracy"] is None:
                 raise RuntimeError(f"{name}, round {rnd}: {record.replies} replies, failures {record.failures[:1]}")
-            for key in ("encrypt_seconds_mean", "decrypt_seconds_max", "combine_seconds", "payload_bytes", "clip",
+            for key in ("encrypt_seconds_mean", "decrypt_seconds_max", "combine_seconds", "payload_bytes", "reply_bytes", "clip",
                         "quantization_bound", "error_bound"):
                 if key in record.channel_metrics:
                     extra[name].setdefault(key, []).append(float(record.channel_metrics[key]))
@@ -265,12 +265,12 @@ def main() -> None:
     for backend, rows in results.items():
         print(f"**{backend}**" + (f" ({args.actors} actors)" if backend == "ray" else "") + "\n")
         print("| channel | round s (median) | ratio of medians | median ratio (min-max) | process CPU s (ratio) | "
-              "encrypt s/client | combine s | payload MB |")
+              "encrypt s/client | combine s | reply / aggregate MB |")
         print("|---|---|---|---|---|---|---|---|")
         for name, r in rows.items():
             enc = f"{r['encrypt_seconds_mean']:.3f}" if "encrypt_seconds_mean" in r else "-"
             comb = f"{r['combine_seconds']:.3f}" if "combine_seconds" in r else "-"
-            size = f"{r['payload_bytes'] / 1e6:.2f}" if "payload_bytes" in r else "-"
+            size = " / ".join(f"{r[k] / 1e6:.2f}" if k in r else "-" for k in ("reply_bytes", "payload_bytes"))
             print(f"| {name} | {r['median_s']:.2f} | {r['ratio_of_medians']:.2f}x | {r['median_ratio']:.2f}x "
                   f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['cpu_s']:.2f} ({r['cpu_ratio']:.2f}x) | {enc} | "
                   f"{comb} | {size} |")

@@ -193,6 +193,7 @@ class CkksChannel(InitialModel, SealedKeyServer, ServerChannel):
         total = float(sum(weights))
         weight_term = sum(abs(wi / sum(w) - float(x) / total) for wi, x in zip(w, weights))
         self._metrics = {"combine_seconds": time.perf_counter() - t0, "payload_bytes": float(len(payload)),
+                         "reply_bytes": float(np.mean([len(r.extra[PAYLOAD]) for r in replies])),
                          "encrypt_seconds_mean": float(np.mean(enc)) if enc else float("nan"),
                          "total_weight": float(sum(w)),
                          # |decoded - sum_i p_i x_i| per value: CKKS's error, plus the integer weights'

@@ -34,11 +34,11 @@ def test_the_parameters_are_128_bit_and_seal_enforces_it():
         ts.context(ts.SCHEME_TYPE.CKKS, 8192, coeff_mod_bit_sizes=[60, 50, 50, 60])
     # the capacity from SEAL's prime q: W X 2**40 + W (1/2 + 21) < q/2 for W <= MAX_WEIGHT
     assert ckks.capacity(public) == ckks.CAPACITY == 2 ** 19 - 1
-    assert ckks.max_abs(4096 + 10) == 127 and ckks.max_abs(1) == ckks.CAPACITY
+    assert ckks.max_abs(4096 + 10) == 90 and ckks.max_abs(1) == int(ckks.CAPACITY / 2 ** 0.5)
     with pytest.raises(ValueError, match="no room"):
-        ckks.max_abs(ckks.CAPACITY + 1)
-    # (6 sigma sqrt(N) + 6 sqrt(N/12)) / 2**40 plus the FFTs' 2 (log2 N + 1) N 2**-53 X: fedsim/crypto/ckks.py
-    assert 1.7e-9 < ckks.error_bound(0) < 1.8e-9 and 4.9e-9 < ckks.error_bound(127) < 5.1e-9
+        ckks.max_abs(ckks.CAPACITY)
+    # (6 sigma sqrt(N) + 6 sqrt(N/12)) / 2**40 plus the FFTs' 2 (log2 N + 1) N 2**-53 sqrt(2) X: fedsim/crypto/ckks.py
+    assert 1.7e-9 < ckks.error_bound(0) < 1.8e-9 and 4.9e-9 < ckks.error_bound(90) < 5.1e-9
     ckks.check_keys(public, private)
     with pytest.raises(ValueError, match="does not belong"):
         ckks.check_keys(public, ckks.make_keys()[1])
@@ -63,23 +63,24 @@ def test_keys_of_the_earlier_parameters_are_refused_with_a_clear_error():
 def test_the_weighted_mean_is_within_the_documented_error_on_random_inputs():
     public, private = ckks.make_keys()
     rng = np.random.default_rng(0)
-    xs = [rng.normal(0, 0.5, 5000) for _ in range(5)]  # two ciphertexts each (4096 + 904 values)
-    parsed = [ckks.verify(public, ckks.encode(private, x, public, 127), 5000) for x in xs]
+    xs = [rng.normal(0, 0.5, 10000) for _ in range(5)]  # two ciphertexts each (8192 + 1808 values)
+    parsed = [ckks.verify(public, ckks.encode(private, x, public, 90), 10000) for x in xs]
     for w in ([int(v) for v in rng.integers(0, 800, 5)], [1, 1, 1, 1, 1], [0, 0, 3, 0, 0]):
-        got = ckks.decode(private, ckks.combine_read(public, parsed, w, 5000), 5000, 127)
+        got = ckks.decode(private, ckks.combine_read(public, parsed, w, 10000), 10000, 90)
         err = np.abs(got - sum(wi * x for wi, x in zip(w, xs)) / sum(w))
-        assert 0 < err.max() <= ckks.error_bound(127), (w, err.max())
-    # at the capacity: every value at +-X (all slots equal: the largest coefficients) and W X = 4106 * 127
-    x_max = ckks.max_abs(4106)
-    edge = [np.full(4096, float(x_max)), np.full(4096, -float(x_max)), np.where(np.arange(4096) % 2, 1.0, -1.0) * x_max]
+        assert 0 < err.max() <= ckks.error_bound(90), (w, err.max())
+    # at the capacity, W = 4106 and X = 90: every slot at (X, X) - all slots equal, the largest coefficients -,
+    # at (-X, X), or alternating
+    x_max, sign = ckks.max_abs(4106), np.where(np.arange(4096) % 2, 1.0, -1.0)
+    edge = [np.full(8192, float(x_max)), np.repeat([-1.0, 1.0], 4096) * x_max, np.tile(sign, 2) * x_max]
     payloads = [ckks.encode(private, x, public, x_max) for x in edge]
     for w in ([4106, 0, 0], [0, 4106, 0], [0, 0, 4106], [4000, 100, 6]):
-        got = ckks.decode(private, ckks.combine(public, payloads, w, 4096), 4096, x_max)
+        got = ckks.decode(private, ckks.combine(public, payloads, w, 8192), 8192, x_max)
         assert np.abs(got - sum(wi * x for wi, x in zip(w, edge)) / sum(w)).max() <= ckks.error_bound(x_max)
-    with pytest.raises(ValueError, match="exceeds the channel's bound 127"):
-        ckks.encode(private, np.array([0.0, 127.5]), public, 127)
+    with pytest.raises(ValueError, match="exceeds the channel's bound 90"):
+        ckks.encode(private, np.array([0.0, 90.5]), public, 90)
     with pytest.raises(ValueError, match="integers"):
-        ckks.combine_read(public, parsed[:2], [0.5, 0.5], 5000)
+        ckks.combine_read(public, parsed[:2], [0.5, 0.5], 10000)
 
 
 def test_the_decrypted_aggregate_is_the_plaintext_one_within_the_bound(small_cfg, tmp_path):

@@ -362,6 +362,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
                          "clipped": float(sum(r.extra.get(CLIPPED, 0.0) for r in replies)),
                          "inline_obfuscators": float(sum(r.extra.get(INLINE_OBFUSCATORS, 0.0) for r in replies)),
                          "payload_bytes": float(len(payload)), "clip": self._clip,
+                         "reply_bytes": float(np.mean([len(r.extra[PAYLOAD]) for r in replies])),
                          "values_per_ciphertext": float(self.expected["slots"]),
                          # |decoded - sum_i p_i x_i| per value (docs/paillier.md): rounding, plus the
                          # integer weights' deviation from the rule's weights times the largest |value|

@@ -4,30 +4,32 @@ A pure library like the rest of :mod:`fedsim.crypto` (TenSEAL and its SEAL bindi
 CKKS channel (``[channel] name = "ckks"``) is built on it. Design, threat model and measurements:
 docs/paillier.md ("The CKKS channel").
 
-Parameters (fixed, 128-bit security or more): ring dimension ``N = 8192`` (``N/2 = 4096`` real values per
-ciphertext, "slots"), coefficient moduli of 60 and 60 bits (120 bits in all; the homomorphic encryption
-standard allows up to 218 bits at ``N = 8192`` for 128-bit security with a ternary secret, fewer bits are
-more secure, and SEAL refuses parameters above it: tested): one data prime ``q`` (every ciphertext lives
-modulo ``q`` alone) and SEAL's key-level prime, which nothing uses (no relinearisation or Galois keys are
-made). Scale ``2**40``. No level is spent: the server multiplies each client's ciphertexts by its integer
-weight ``w_i`` (a plaintext constant at scale 1: exact, the scale stays ``2**40``) and adds them; a payload
-carries its total weight ``W`` (1 for a client's), and the decrypting client divides by it.
+Parameters (fixed, 128-bit security or more): ring dimension ``N = 8192`` (``N/2 = 4096`` complex slots per
+ciphertext, each carrying two values - real and imaginary part - so 8192 values per ciphertext), coefficient
+moduli of 60 and 60 bits (120 bits in all; the homomorphic encryption standard allows up to 218 bits at ``N =
+8192`` for 128-bit security with a ternary secret, fewer bits are more secure, and SEAL refuses parameters
+above it: tested): one data prime ``q`` (every ciphertext lives modulo ``q`` alone) and SEAL's key-level
+prime, which nothing uses (no relinearisation or Galois keys are made). Scale ``2**40``. No level is spent:
+the server multiplies each client's ciphertexts by its integer weight ``w_i`` (a plaintext constant at scale
+1: exact, the scale stays ``2**40``) and adds them; a payload carries its total weight ``W`` (1 for a
+client's), and the decrypting client divides by it.
 
-Capacity: a coefficient of ``sum_i w_i ct_i`` is at most ``W (X 2**40 + 1/2 + 21)`` (values ``|x| <= X``, the
-encoding's rounding, SEAL's centered-binomial error ``|e_j| <= 21``), which must stay below ``q/2``:
-``W X <= CAPACITY = 524287`` (:func:`capacity` derives it from ``q``). The channel bounds ``W`` (its
-``precision`` plus the clients per round) and gives the clients ``X = CAPACITY // W_max``
-(:func:`max_abs`); :func:`encode` refuses larger values and :func:`decode` refuses an aggregate outside
-``[-X, X]`` (an overflow would decode to garbage).
+Capacity: a coefficient of ``sum_i w_i ct_i`` is at most ``W (sqrt(2) X 2**40 + 1/2 + 21)`` (values ``|x| <=
+X``, so slots of modulus up to ``sqrt(2) X``; the encoding's rounding; SEAL's centered-binomial error ``|e_j|
+<= 21``), which must stay below ``q/2``: ``sqrt(2) W X <= CAPACITY = 524287`` (:func:`capacity` derives it
+from ``q``). The channel bounds ``W`` (its ``precision`` plus the clients per round) and gives the clients
+``X = floor(CAPACITY / (sqrt(2) W_max))`` (:func:`max_abs`: 90 at ``W_max = 4106``); :func:`encode` refuses
+larger values, so an honest client's sum cannot overflow (:func:`decode` also refuses an aggregate outside
+``[-X, X]``, a sanity check).
 
 Error: a decrypted weighted mean ``sum_i (w_i/W) x_i`` differs from the exact one by the weighted clients'
 encryption errors (secret-key encryption: the error polynomial ``e`` alone, coefficients of variance
-``sigma**2 = 10.5``; a slot's real part has standard deviation ``sigma sqrt(N/2)``, and convex weights do not
-raise it), the encoding's rounding (variance 1/12 per coefficient) and float64 rounding in the encoding and
-decoding FFTs; :func:`error_bound` adds ``6 sigma sqrt(N)`` and ``6 sqrt(N/12)`` (8.5 and 6 standard
-deviations) over the scale, and the FFTs' worst case ``2 (log2 N + 1) N 2**-53 X``: 5.0e-9 at ``X = 127``
-(measured: about 1e-9). Integer weights that round a rule's real weights add ``X sum_i |w_i/W - p_i|``
-(the channel reports it).
+``sigma**2 = 10.5``; a slot's real part, and its imaginary part, has standard deviation ``sigma sqrt(N/2)``,
+and convex weights do not raise it), the encoding's rounding (variance 1/12 per coefficient) and float64
+rounding in the encoding and decoding FFTs; :func:`error_bound` adds ``6 sigma sqrt(N)`` and ``6 sqrt(N/12)``
+(8.5 standard deviations each) over the scale, and the FFTs' worst case ``2 (log2 N + 1) N 2**-53 sqrt(2)
+X``: 5.0e-9 at ``X = 90`` (measured: below 1e-9). Integer weights that round a rule's real weights add ``X
+sum_i |w_i/W - p_i|`` (the channel reports it).
 
 Key material: :func:`make_keys` returns the public context (parameters and a key id, no key: the server
 needs none to weight and add ciphertexts) and the private one (the secret key; the clients encrypt with it,
@@ -35,7 +37,7 @@ symmetrically) as bytes; the private one is delivered to the other clients seale
 and never reaches the server.
 
 Payload: ``"FSCK" | version u8 | num_values u64 | num_ciphertexts u32 | total weight u32 | public-context
-fingerprint (32)`` then per ciphertext ``length u32 | SEAL serialisation`` (4096 slots; a client's
+fingerprint (32)`` then per ciphertext ``length u32 | SEAL serialisation`` (8192 values; a client's
 ciphertexts are saved *seeded*: SEAL stores the uniform half of a secret-key ciphertext as the 64-byte seed it
 was drawn from, half the bytes).
 """
@@ -62,7 +64,8 @@ from fedsim.crypto.errors import IntegrityError
 POLY_MODULUS_DEGREE = 8192
 COEFF_MOD_BIT_SIZES = (60, 60)  # the data prime, and SEAL's key-level prime (unused: no key switching)
 SCALE_BITS = 40
-SLOTS = POLY_MODULUS_DEGREE // 2
+SLOTS = POLY_MODULUS_DEGREE // 2  # complex slots: each carries two values (real and imaginary part)
+VALUES = 2 * SLOTS  # values per ciphertext
 MAX_COEFF_MODULUS_BITS_128 = 218  # HE standard (2018), N = 8192, 128-bit classical security, ternary secret
 SIGMA = math.sqrt(10.5)  # SEAL's error: centered binomial of 21 coin pairs (variance 21/2), |e_j| <= 21
 ERROR_MAX = 21
@@ -80,9 +83,10 @@ def error_bound(max_abs: float, n: int = POLY_MODULUS_DEGREE, scale_bits: int = 
                 sigma: float = SIGMA) -> float:
     """Per-value bound on ``|decrypted weighted mean - exact weighted mean|`` for values ``|x| <= max_abs``
     and exact integer weights: the encryption error ``6 sigma sqrt(N)`` and the encoding's rounding ``6
-    sqrt(N/12)`` over the scale, plus the float64 FFTs' worst case ``2 (log2 N + 1) N 2**-53 max_abs``."""
+    sqrt(N/12)`` over the scale (each the bound of a slot's real part and of its imaginary part), plus the
+    float64 FFTs' worst case ``2 (log2 N + 1) N 2**-53 sqrt(2) max_abs``."""
     noise = (6 * sigma * math.sqrt(n) + 6 * math.sqrt(n / 12)) / 2.0 ** scale_bits
-    return noise + 2 * (math.log2(n) + 1) * n * 2.0 ** -53 * float(max_abs)
+    return noise + 2 * (math.log2(n) + 1) * n * 2.0 ** -53 * math.sqrt(2) * float(max_abs)
 
 
 def capacity(public: bytes) -> int:
@@ -93,12 +97,14 @@ def capacity(public: bytes) -> int:
 
 
 def max_abs(max_total_weight: int) -> int:
-    """The values' bound ``X`` for combinations of total weight up to ``max_total_weight``: ``CAPACITY // W``;
-    ``ValueError`` when it is below 1."""
+    """The values' bound ``X`` for combinations of total weight up to ``W = max_total_weight``: ``floor(CAPACITY
+    / (sqrt(2) W))`` (a complex slot of two values up to ``X`` has modulus up to ``sqrt(2) X``); ``ValueError``
+    when it is below 1."""
     w = int(max_total_weight)
-    if not 1 <= w <= MAX_WEIGHT or CAPACITY // w < 1:
+    x = math.floor(CAPACITY / (math.sqrt(2) * w)) if 1 <= w <= MAX_WEIGHT else 0
+    if x < 1:
         raise ValueError(f"a total weight of {w} leaves no room for the values (CKKS capacity {CAPACITY})")
-    return CAPACITY // w
+    return x
 
 
 def make_keys() -> tuple[bytes, bytes]:
@@ -229,13 +235,22 @@ _FILES = _Files()
 
 
 def _chunks(count: int) -> list[tuple[int, int]]:
-    return [(i, min(i + SLOTS, count)) for i in range(0, count, SLOTS)]
+    return [(i, min(i + VALUES, count)) for i in range(0, count, VALUES)]
+
+
+def _pack(x: np.ndarray) -> list[complex]:
+    """Up to 8192 values as 4096 complex slots: the first 4096 values are the real parts, the rest the
+    imaginary parts (zeros where there are fewer)."""
+    z = np.zeros(SLOTS, dtype=np.complex128)
+    z.real[:min(x.size, SLOTS)] = x[:SLOTS]
+    z.imag[:max(x.size - SLOTS, 0)] = x[SLOTS:]
+    return z.tolist()
 
 
 def encode(private: bytes, values: np.ndarray, public: bytes, max_abs: float | None = None) -> bytes:
-    """Encrypt a flat float vector (one ciphertext per 4096 values, seeded) under the secret key of
-    ``private`` into a payload of total weight 1 whose header carries ``public``'s fingerprint. ``ValueError``
-    for a value above ``max_abs`` (the channel's :func:`max_abs`: a larger one could overflow the sum)."""
+    """Encrypt a flat float vector (one seeded ciphertext per 8192 values, two per complex slot) under the
+    secret key of ``private`` into a payload of total weight 1 whose header carries ``public``'s fingerprint.
+    ``ValueError`` for a value above ``max_abs`` (the channel's :func:`max_abs`: more could overflow the sum)."""
     tools = _tools(bytes(private))
     if not tools.ctx.has_secret_key():
         raise ValueError("CKKS encode: encryption needs the private context (secret-key encryption)")
@@ -249,7 +264,7 @@ def encode(private: bytes, values: np.ndarray, public: bytes, max_abs: float | N
     cts = []
     for a, b in _chunks(x.size):
         plain = sa.Plaintext()
-        tools.encoder.encode(x[a:b].tolist(), tools.level, 2.0 ** SCALE_BITS, plain)
+        tools.encoder.encode(_pack(x[a:b]), tools.level, 2.0 ** SCALE_BITS, plain)
         cts.append(_FILES.save(tools.encryptor.encrypt_symmetric(plain)))
     return _build(public, x.size, 1, cts)
 
@@ -367,7 +382,8 @@ def _decode(private: bytes, payload: bytes, num_values: int, max_abs: float | No
     for data in raw:
         plain = sa.Plaintext()
         tools.decryptor.decrypt(_FILES.load(tools.seal, data), plain)
-        out.append(np.asarray(tools.encoder.decode_double(plain), dtype=np.float64))
+        z = np.asarray(tools.encoder.decode_complex(plain), dtype=np.complex128)
+        out += [z.real, z.imag]
     flat = np.concatenate(out)[:num_values] / weight
     if not np.all(np.isfinite(flat)):
         raise IntegrityError("values", "the decrypted vector has non-finite values")
