@@ -1,6 +1,6 @@
 """The CKKS channel, both halves: ``[channel] name = "ckks"`` (TenSEAL; the peer of the Paillier channel).
 
-Clients encrypt their whole trained model (floating entries) as CKKS vectors, 4096 values per ciphertext
+Clients encrypt their whole trained model (floating entries) as CKKS vectors, 8192 values per ciphertext
 (``fedsim.crypto.ckks``); the server checks each payload with the public context alone
 (:meth:`CkksChannel.check_reply`), forms ``sum_i w_i x_i`` homomorphically with the rule's weights as integers
 (``fedsim.crypto.quantize.exact_integer_weights``: FedAvg's example counts over their gcd, exact; other
@@ -9,9 +9,9 @@ global model it holds after round 1 is a ciphertext of total weight ``W``, which
 divide by ``W`` at the start of the next round and a client evaluates. Why the model and not the update (as
 the Paillier channel): CKKS's error is absolute, about 1e-9 per value whatever the values' range
 (:func:`fedsim.crypto.ckks.error_bound`), so a model costs no precision and needs no state on the clients;
-the values must stay within ``[-X, X]``, ``X = CAPACITY // (P + clients per round)`` (127 at the defaults
-for up to 34 clients per round; a client with a larger value fails with a message naming
-``channel.precision``).
+the values must stay within ``[-X, X]``, ``X = floor(CAPACITY / (sqrt(2) (P + clients per round)))`` (90 at
+the defaults for up to 23 clients per round, 80 up to 538; a client with a larger value fails with a message
+naming ``channel.precision``).
 
 The secret key never reaches the server: one client makes the key pair and seals the private context for
 the others (``fedsim.keydelivery``, as the Paillier channel's key). Every client keeps its X25519 private
@@ -162,7 +162,7 @@ class CkksChannel(InitialModel, SealedKeyServer, ServerChannel):
 
     def check_payload(self, payload: bytes) -> list[Any]:
         """A client's payload against the channel: the key fingerprint, the model's value count, total weight
-        1, one ciphertext (2 polynomials at the data prime, scale 2**40) per 4096 values, each readable with
+        1, one ciphertext (2 polynomials at the data prime, scale 2**40) per 8192 values, each readable with
         the public context. Raises :class:`ChannelError` naming the field."""
         try:
             return ckks.verify(self.public_bytes, payload, self.num_values)
