@@ -196,9 +196,10 @@ def _tools(data: bytes) -> _Tools:
 
 
 class _Files:
-    """SEAL objects to and from bytes: TenSEAL's SEAL bindings save and load by path only, so through one
-    file per process and thread in a private temporary directory (in memory where ``/dev/shm`` exists),
-    removed at exit. Only ciphertexts pass through it, never a key or a plaintext."""
+    """SEAL objects to and from bytes: TenSEAL's SEAL bindings save and load by path only, so through a file
+    per process and thread in a private temporary directory (in memory where ``/dev/shm`` exists), unlinked
+    after each use (a killed process leaves an empty directory); the directory is removed at exit. Only
+    ciphertexts pass through it, never a key or a plaintext."""
 
     def __init__(self):
         self.dir, self.pid, self.lock = "", 0, threading.Lock()
@@ -213,17 +214,23 @@ class _Files:
 
     def save(self, obj) -> bytes:
         path = self.path()
-        obj.save(path)
-        with open(path, "rb") as f:
-            return f.read()
+        try:
+            obj.save(path)
+            with open(path, "rb") as f:
+                return f.read()
+        finally:
+            os.unlink(path)
 
     def load(self, seal, data: bytes) -> sa.Ciphertext:
         path = self.path()
-        with open(path, "wb") as f:
-            f.write(data)
-        c = sa.Ciphertext()
-        c.load(seal, path)  # SEAL checks the ciphertext against the context (sizes, moduli, coefficients)
-        return c
+        try:
+            with open(path, "wb") as f:
+                f.write(data)
+            c = sa.Ciphertext()
+            c.load(seal, path)  # SEAL checks the ciphertext against the context (sizes, moduli, coefficients)
+            return c
+        finally:
+            os.unlink(path)
 
 
 def _remove(path: str, pid: int) -> None:
