@@ -102,6 +102,31 @@ def _timed_exchanges(engine, phases: dict[str, float]) -> None:
     engine.send = timed
 
 
+def tree_cpu() -> float:
+    """CPU seconds of this process and its live descendants (on Ray: this run's raylet, workers and client
+    actors), read from ``/proc``; this process's alone where there is no ``/proc``. Less sensitive to other
+    processes' load than wall time (they delay the round's processes, not their work)."""
+    if not os.path.isdir("/proc/self"):
+        return time.process_time()
+    stats: dict[int, tuple[int, int]] = {}
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            stats[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+        except (OSError, ValueError, IndexError):
+            continue
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    todo, ticks = [os.getpid()], 0
+    while todo:
+        pid = todo.pop()
+        ticks += stats.get(pid, (0, 0))[1]
+        todo += children.get(pid, [])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def measure(grid_for, args: argparse.Namespace, channels=CHANNELS) -> dict:
     """``grid_for(name)``: the grid of a channel's server (in-process: a federation each, the same work; on
     Ray: the one federation)."""
@@ -118,23 +143,24 @@ def measure(grid_for, args: argparse.Namespace, channels=CHANNELS) -> dict:
         for name in order:
             s = servers[name]
             phases[name].clear()
-            t0, c0 = time.perf_counter(), time.process_time()
+            c0 = tree_cpu()
+            t0 = time.perf_counter()
             states[name], record = s.engine.run_round(grids[name], rnd, states[name])
             ev = s.evaluator.evaluate(grids[name], states[name], record)
             times[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
+            cpu[name].append(tree_cpu() - c0)
             exchanged = sum(phases[name].values())
             for ph in PHASES:
                 extra[name].setdefault(f"{ph} s", []).append(phases[name].get(ph, 0.0))
             extra[name].setdefault("server s", []).append(times[name][-1] - exchanged)
             if record.replies != args.clients or record.failures or ev["accuracy"] is None:
                 raise RuntimeError(f"{name}, round {rnd}: {record.replies} replies, failures {record.failures[:1]}")
-            for key in ("encrypt_seconds_mean", "decrypt_seconds_max", "combine_seconds", "payload_bytes", "clip",
+            for key in ("encrypt_seconds_mean", "decrypt_seconds_max", "combine_seconds", "payload_bytes", "reply_bytes", "clip",
                         "quantization_bound", "error_bound"):
                 if key in record.channel_metrics:
                     extra[name].setdefault(key, []).append(float(record.channel_metrics[key]))
             split = ", ".join(f"{ph} {phases[name][ph]:.2f}" for ph in phases[name])
-            print(f"[bench] round {rnd} {name}: {times[name][-1]:.2f} s (process CPU {cpu[name][-1]:.2f} s; "
+            print(f"[bench] round {rnd} {name}: {times[name][-1]:.2f} s (CPU {cpu[name][-1]:.2f} s; "
                   f"{split}; server {extra[name]['server s'][-1]:.2f}), accuracy {ev['accuracy']:.4f}",
                   file=sys.stderr, flush=True)
     plain = times["plain"][1:]
@@ -143,8 +169,8 @@ def measure(grid_for, args: argparse.Namespace, channels=CHANNELS) -> dict:
         mine = times[name][1:]
         ratios = [a / b for a, b in zip(mine, plain)]
         rows[name] = {"median_s": statistics.median(mine), "ratio_of_medians": statistics.median(mine) / statistics.median(plain),
-                      # CPU seconds of this process (all the clients' work on the in-process backend, not the
-                      # actors' on Ray): less sensitive to other processes' load than wall time
+                      # CPU seconds of this process and its children (all the clients' work, in-process or in
+                      # the Ray actors): less sensitive to other processes' load than wall time
                       "cpu_s": statistics.median(cpu[name][1:]),
                       "cpu_ratio": statistics.median(cpu[name][1:]) / statistics.median(cpu["plain"][1:]),
                       "median_ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
@@ -264,13 +290,13 @@ def main() -> None:
           f"{os.cpu_count()} CPUs, load average at the end {load:.2f}\n")
     for backend, rows in results.items():
         print(f"**{backend}**" + (f" ({args.actors} actors)" if backend == "ray" else "") + "\n")
-        print("| channel | round s (median) | ratio of medians | median ratio (min-max) | process CPU s (ratio) | "
-              "encrypt s/client | combine s | payload MB |")
+        print("| channel | round s (median) | ratio of medians | median ratio (min-max) | CPU s, with children (ratio) | "
+              "encrypt s/client | combine s | reply / aggregate MB |")
         print("|---|---|---|---|---|---|---|---|")
         for name, r in rows.items():
             enc = f"{r['encrypt_seconds_mean']:.3f}" if "encrypt_seconds_mean" in r else "-"
             comb = f"{r['combine_seconds']:.3f}" if "combine_seconds" in r else "-"
-            size = f"{r['payload_bytes'] / 1e6:.2f}" if "payload_bytes" in r else "-"
+            size = " / ".join(f"{r[k] / 1e6:.2f}" if k in r else "-" for k in ("reply_bytes", "payload_bytes"))
             print(f"| {name} | {r['median_s']:.2f} | {r['ratio_of_medians']:.2f}x | {r['median_ratio']:.2f}x "
                   f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) | {r['cpu_s']:.2f} ({r['cpu_ratio']:.2f}x) | {enc} | "
                   f"{comb} | {size} |")

@@ -1,26 +1,32 @@
 """The CKKS channel, both halves: ``[channel] name = "ckks"`` (TenSEAL; the peer of the Paillier channel).
 
-Clients encrypt their whole trained model (floating entries) as CKKS vectors, 4096 values per ciphertext
+Clients encrypt their whole trained model (floating entries) as CKKS vectors, 8192 values per ciphertext
 (``fedsim.crypto.ckks``); the server checks each payload with the public context alone
-(:meth:`CkksChannel.check_reply`), forms the weighted mean ``sum_i p_i x_i`` homomorphically with the rule's
-weights as real numbers (CKKS needs no integer weights: no ``precision``) and never decrypts: the global
-model it holds after round 1 is a ciphertext, which the clients decrypt at the start of the next round and
-a client evaluates. Why the model and not the update (as the Paillier channel): CKKS's error is absolute,
-about 1e-8 per value whatever the values' range (:func:`fedsim.crypto.ckks.error_bound` bounds it by 6.1e-7),
-so a model costs no precision and needs no state on the clients.
+(:meth:`CkksChannel.check_reply`), forms ``sum_i w_i x_i`` homomorphically with the rule's weights as integers
+(``fedsim.crypto.quantize.exact_integer_weights``: FedAvg's example counts over their gcd, exact; other
+weights ``round(p_i P)``, ``P = precision``, eq. 4.4 as the Paillier channel) and never decrypts: the
+global model it holds after round 1 is a ciphertext of total weight ``W``, which the clients decrypt and
+divide by ``W`` at the start of the next round and a client evaluates. Why the model and not the update (as
+the Paillier channel): CKKS's error is absolute, about 1e-9 per value whatever the values' range
+(:func:`fedsim.crypto.ckks.error_bound`), so a model costs no precision and needs no state on the clients;
+the values must stay within ``[-X, X]``, ``X = floor(CAPACITY / (sqrt(2) (P + clients per round)))`` (90 at
+the defaults for up to 23 clients per round, 80 up to 538; a client with a larger value fails with a message
+naming ``channel.precision``).
 
 The secret key never reaches the server: one client makes the key pair and seals the private context for
 the others (``fedsim.keydelivery``, as the Paillier channel's key). Every client keeps its X25519 private
 key and, once delivered, the CKKS private context in Flower's ``Context.state``; neither is ever put in a
-reply. The clients encrypt with that secret key (secret-key encryption; the public context the server holds
-carries the parameters and a key id, no key) and a process decrypts a global model once for all the clients
-it runs (``fedsim.crypto.decoded``). Integer buffers (``num_batches_tracked``) travel in no form and restart at zero. Parameters (fixed, 128-bit security):
-N = 8192, coefficient moduli 60/40/60 bits, scale 2**40 (docs/paillier.md, "The CKKS channel").
+reply. The clients encrypt with that secret key (secret-key encryption, seeded ciphertexts; the public
+context the server holds carries the parameters and a key id, no key) and a process decrypts a global model
+once for all the clients it runs (``fedsim.crypto.decoded``). Integer buffers (``num_batches_tracked``)
+travel in no form and restart at zero. Parameters (fixed, 128-bit security): N = 8192, coefficient moduli
+60/60 bits (one data prime: no level is spent), scale 2**40 (docs/paillier.md, "The CKKS channel").
 """
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Mapping, Sequence
+from typing import Annotated, Any, Mapping, Sequence
 
 import numpy as np
 from flwr.app import ConfigRecord, Context, RecordDict
@@ -30,8 +36,10 @@ from fedsim.components import CHANNELS
 from fedsim.crypto import ckks
 from fedsim.crypto.decoded import DECODED
 from fedsim.crypto.errors import IntegrityError
+from fedsim.crypto.quantize import exact_integer_weights
 from fedsim.keydelivery import SealedKeyClient, SealedKeyServer
-from fedsim.protocol import ARRAYS, CHANNEL, ENCRYPT_SECONDS, PAYLOAD, arrays_record, decode_arrays
+from fedsim.params import Range
+from fedsim.protocol import ARRAYS, CHANNEL, CODEC, ENCRYPT_SECONDS, PAYLOAD, arrays_record, decode_arrays
 from fedsim.replies import ChannelError, ModelSpec, Reply
 from fedsim.seams import WEIGHTED_SUM, ClientChannel, RoundContext, ServerChannel
 
@@ -67,6 +75,7 @@ class CkksClientChannel(SealedKeyClient, ClientChannel):
 
     def decode(self, content: RecordDict, context: Context, template: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         ch = content[CHANNEL]
+        self._max_abs = float(json.loads(str(ch[CODEC]))["max_abs"])  # the values' bound encode() keeps to
         if PAYLOAD not in ch:  # round 1: the public initial model
             return decode_arrays(content[ARRAYS])
         floating = [k for k, v in template.items() if np.issubdtype(np.asarray(v).dtype, np.floating)]
@@ -74,7 +83,7 @@ class CkksClientChannel(SealedKeyClient, ClientChannel):
         private, payload = self._key(context, self.secret_field), bytes(ch[PAYLOAD])
         # one decryption per process for all the clients it runs (they hold the same key: fedsim.crypto.decoded)
         flat = DECODED.get(ckks.fingerprint(self._key(context, self.public_field)), payload, str(num),
-                           lambda: ckks.decode(private, payload, num))
+                           lambda: ckks.decode(private, payload, num, self._max_abs))
         out, i = [], 0
         for k, v in template.items():
             v = np.asarray(v)
@@ -91,29 +100,45 @@ class CkksClientChannel(SealedKeyClient, ClientChannel):
         t0 = time.perf_counter()
         # with the secret key every client holds (secret-key encryption; fedsim.crypto.ckks.make_keys)
         payload = ckks.encode(self._key(context, self.secret_field), np.concatenate(floating),
-                              public=self._key(context, self.public_field))
+                              self._key(context, self.public_field), self._max_abs)
         return {CHANNEL: ConfigRecord({PAYLOAD: payload, ENCRYPT_SECONDS: time.perf_counter() - t0})}
 
 
 @CHANNELS.register
 class CkksChannel(InitialModel, SealedKeyServer, ServerChannel):
-    """CKKS-encrypted weighted means (no parameters: the CKKS parameters are fixed at 128-bit security)."""
+    """CKKS-encrypted weighted means (parameter: ``precision`` = P of the integer weights, as the Paillier
+    channel's; the CKKS parameters are fixed at 128-bit security)."""
 
     name = "ckks"
     client = CkksClientChannel
     provides = frozenset({WEIGHTED_SUM})
     key_name = "the CKKS key pair"
 
-    def __init__(self):
+    def __init__(self, precision: Annotated[int, Range(1)] = 4096):
+        self.precision = int(precision)
         self.public_bytes: bytes | None = None
         self.x0: list[np.ndarray] | None = None
         self._metrics: dict[str, float] = {}
 
+    def max_total_weight(self, cfg: Mapping[str, Any]) -> int:
+        """Integer weights round ``p_i * P`` to the nearest integer: their sum is at most ``P + N/2``."""
+        fed = cfg["federation"]
+        return self.precision + (fed["clients_per_round"] or fed["num_clients"])
+
+    def validate_config(self, cfg: Mapping[str, Any]) -> None:
+        try:
+            ckks.max_abs(self.max_total_weight(cfg))
+        except ValueError as exc:
+            raise ValueError(f"channel.precision = {self.precision}: {exc}") from None
+
     def setup(self, param_names: Sequence[str], cfg: Mapping[str, Any]) -> None:
         self.names = list(param_names)
+        self.mtw = self.max_total_weight(cfg)
+        self.max_abs = ckks.max_abs(self.mtw)
         self.setup_delivery(cfg, {"poly_modulus_degree": ckks.POLY_MODULUS_DEGREE,
                                   "coeff_mod_bit_sizes": list(ckks.COEFF_MOD_BIT_SIZES),
-                                  "scale_bits": ckks.SCALE_BITS})
+                                  "scale_bits": ckks.SCALE_BITS, "max_total_weight": self.mtw,
+                                  "max_abs": self.max_abs})
 
     # ---- key delivery ---------------------------------------------------------------------------------
     def accept_public_key(self, public: bytes) -> bytes:
@@ -136,8 +161,8 @@ class CkksChannel(InitialModel, SealedKeyServer, ServerChannel):
         return {ARRAYS: arrays_record(self.names, state), CHANNEL: self.channel_record()}
 
     def check_payload(self, payload: bytes) -> list[Any]:
-        """A client's payload against the channel: the key fingerprint, the model's value count, one
-        fresh ciphertext (2 polynomials, both data primes, scale 2**40) per 4096 values, each readable with
+        """A client's payload against the channel: the key fingerprint, the model's value count, total weight
+        1, one ciphertext (2 polynomials at the data prime, scale 2**40) per 8192 values, each readable with
         the public context. Raises :class:`ChannelError` naming the field."""
         try:
             return ckks.verify(self.public_bytes, payload, self.num_values)
@@ -160,13 +185,20 @@ class CkksChannel(InitialModel, SealedKeyServer, ServerChannel):
 
     def weighted_mean(self, replies: list[Reply], weights: Sequence[float]) -> CkksModel:
         t0 = time.perf_counter()
-        total = float(sum(weights))
-        payload = ckks.combine_read(self.public_bytes, [r.extra[_READ] for r in replies],
-                                    [float(w) / total for w in weights], self.num_values)
+        w = exact_integer_weights(weights, self.precision)
+        if sum(w) > self.mtw:  # cannot happen with round(p_i P) (<= P + N/2); refused rather than overflowed
+            raise RuntimeError(f"CKKS channel: integer weights total {sum(w)}, above {self.mtw}")
+        payload = ckks.combine_read(self.public_bytes, [r.extra[_READ] for r in replies], w, self.num_values)
         enc = [r.extra[ENCRYPT_SECONDS] for r in replies if ENCRYPT_SECONDS in r.extra]
+        total = float(sum(weights))
+        weight_term = sum(abs(wi / sum(w) - float(x) / total) for wi, x in zip(w, weights))
         self._metrics = {"combine_seconds": time.perf_counter() - t0, "payload_bytes": float(len(payload)),
+                         "reply_bytes": float(np.mean([len(r.extra[PAYLOAD]) for r in replies])),
                          "encrypt_seconds_mean": float(np.mean(enc)) if enc else float("nan"),
-                         "error_bound": ckks.error_bound()}
+                         "total_weight": float(sum(w)),
+                         # |decoded - sum_i p_i x_i| per value: CKKS's error, plus the integer weights'
+                         # deviation from the rule's weights times the values' bound
+                         "error_bound": ckks.error_bound(self.max_abs) + self.max_abs * weight_term}
         return CkksModel(payload)
 
     def plaintext(self, state: Any) -> list[np.ndarray] | None:

@@ -240,6 +240,7 @@ def pytest_addoption(parser):
                      help="also run the tests marked `slow` (`make test-slow` runs only those, `make test-all` all)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` (full-length reproductions whose quick check is in the default suite) are
     skipped unless ``--slow`` is given: ``make test`` (what CI runs) stays within its time budget.
@@ -247,7 +248,11 @@ def pytest_collection_modifyitems(config, items):
     With pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test marked ``ray`` (a Ray
     simulation, a Ray head, a SuperLink with SuperNodes) runs on one worker, one after another: two Ray
     clusters at once would fight over the machine's two cores and each other's start-up. The other
-    worker runs the in-process tests meanwhile, much of it while the Ray tests wait on start-up."""
+    worker runs the in-process tests meanwhile, much of it while the Ray tests wait on start-up.
+
+    The other tests that share a module-scoped fixture of a test file (a few simulations run once for
+    several tests) run on one worker too: spread over two, each worker ran the fixture itself (CI showed
+    seed 000's accuracy runs, ~57 s, set up twice)."""
     run_slow = config.getoption("--slow")
     skip_slow = pytest.mark.skip(reason="slow: run with --slow (make test-slow / make test-all)")
     for item in items:
@@ -255,3 +260,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_slow)
         if item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif shared := _module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(shared))
+
+
+def _module_fixture(item) -> str | None:
+    """``file::fixture`` for the first module-scoped fixture defined in a test file that ``item`` asks for
+    (autouse ones, such as a module's torch-thread setting, do not count)."""
+    info = getattr(item, "_fixtureinfo", None)
+    autouse = set(getattr(info, "initialnames", ())) - set(getattr(info, "argnames", ()))
+    for name in getattr(info, "names_closure", ()):
+        if name in autouse:
+            continue
+        for fixturedef in info.name2fixturedefs.get(name, ()):
+            if fixturedef.scope == "module" and Path(str(fixturedef.baseid or "")).name.startswith("test_"):
+                return f"{fixturedef.baseid}::{name}"
+    return None

@@ -23,47 +23,64 @@ CKKS = ('channel.name="ckks"',)
 def test_the_parameters_are_128_bit_and_seal_enforces_it():
     public, private = ckks.make_keys()
     for data in (public, private):
-        n, bits = ckks.parameters(ckks.load_context(data))
-        assert (n, bits) == (8192, 160) and bits <= ckks.MAX_COEFF_MODULUS_BITS_128
+        ctx = ckks.load_context(data)
+        n, bits = ckks.parameters(ctx)
+        assert (n, bits) == (8192, 120) and bits <= ckks.MAX_COEFF_MODULUS_BITS_128
+        # the ciphertexts' modulus: one 60-bit data prime (the other is SEAL's key level, unused)
+        chain = ctx.seal_context().data.first_context_data().parms().coeff_modulus()
+        assert [m.bit_count() for m in chain] == [60]
     assert not ckks.load_context(public).has_secret_key() and ckks.load_context(private).has_secret_key()
     with pytest.raises(ValueError):  # 220 bits at N = 8192: above the 128-bit bound, SEAL refuses it
         ts.context(ts.SCHEME_TYPE.CKKS, 8192, coeff_mod_bit_sizes=[60, 50, 50, 60])
-    assert 5e-7 < ckks.error_bound() < 7e-7  # (B_clean + B_rescale) / 2**40, fedsim/crypto/ckks.py
+    # the capacity from SEAL's prime q: W X 2**40 + W (1/2 + 21) < q/2 for W <= MAX_WEIGHT
+    assert ckks.capacity(public) == ckks.CAPACITY == 2 ** 19 - 1
+    assert ckks.max_abs(4096 + 10) == 90 and ckks.max_abs(1) == int(ckks.CAPACITY / 2 ** 0.5)
+    with pytest.raises(ValueError, match="no room"):
+        ckks.max_abs(ckks.CAPACITY)
+    # (6 sigma sqrt(N) + 6 sqrt(N/12)) / 2**40 plus the FFTs' 2 (log2 N + 1) N 2**-53 sqrt(2) X: fedsim/crypto/ckks.py
+    assert 1.7e-9 < ckks.error_bound(0) < 1.8e-9 and 4.9e-9 < ckks.error_bound(90) < 5.1e-9
     ckks.check_keys(public, private)
     with pytest.raises(ValueError, match="does not belong"):
         ckks.check_keys(public, ckks.make_keys()[1])
     # secret-key encryption: the public context (what the server holds) holds no key and cannot encrypt;
     # its key id makes every key's fingerprint its own
     with pytest.raises(ValueError, match="encryption"):
-        ckks.encode(public, np.ones(8))
+        ckks.encode(public, np.ones(8), public)
     assert ckks.fingerprint(public) != ckks.fingerprint(ckks.make_keys()[0])
 
 
-def test_keys_made_before_the_key_id_still_load_check_and_encrypt():
-    """Keys from before secret-key encryption (bare TenSEAL contexts, the public one holding the public key),
-    as a resumed run's client state may hold them: checked, and both contexts encrypt what the private one
-    decrypts."""
-    ctx = ts.context(ts.SCHEME_TYPE.CKKS, 8192, coeff_mod_bit_sizes=list(ckks.COEFF_MOD_BIT_SIZES))
-    ctx.global_scale = 2.0 ** ckks.SCALE_BITS
-    public = ctx.serialize(save_public_key=True, save_secret_key=False, save_galois_keys=False, save_relin_keys=False)
-    private = ctx.serialize(save_public_key=True, save_secret_key=True, save_galois_keys=False, save_relin_keys=False)
-    ckks.check_keys(public, private)
-    with pytest.raises(ValueError, match="does not belong"):
-        ckks.check_keys(public, ckks.make_keys()[1])
-    x = np.linspace(-0.5, 0.5, 100)
-    for key in (public, private):
-        got = ckks.decode(private, ckks.combine(public, [ckks.encode(key, x, public)], [1.0], 100), 100)
-        assert np.abs(got - x).max() <= ckks.error_bound()
+def test_keys_of_the_earlier_parameters_are_refused_with_a_clear_error():
+    """Keys made before the one-prime parameters (60/40/60 bits; with or without a key id), as an earlier
+    run's checkpoint holds them: refused when loaded (a resumed run stops at start with this message)."""
+    ctx = ts.context(ts.SCHEME_TYPE.CKKS, 8192, coeff_mod_bit_sizes=[60, 40, 60],
+                     encryption_type=ts.ENCRYPTION_TYPE.SYMMETRIC)
+    bare = ctx.serialize(save_public_key=False, save_secret_key=False, save_galois_keys=False, save_relin_keys=False)
+    for old in (bare, b"FSCKKEY1" + bytes(32) + bare, b"FSCKKEY2" + bytes(32) + bare):
+        with pytest.raises(ValueError, match="60/60"):
+            ckks.load_context(old)
 
 
 def test_the_weighted_mean_is_within_the_documented_error_on_random_inputs():
     public, private = ckks.make_keys()
     rng = np.random.default_rng(0)
-    xs = [rng.normal(0, 0.5, 5000) for _ in range(5)]  # two ciphertexts each (4096 + 904 values)
-    w = rng.random(5)
-    payload = ckks.combine(public, [ckks.encode(private, x, public) for x in xs], w / w.sum(), 5000)
-    err = np.abs(ckks.decode(private, payload, 5000) - sum(wi / w.sum() * x for wi, x in zip(w, xs)))
-    assert 0 < err.max() <= ckks.error_bound(), err.max()
+    xs = [rng.normal(0, 0.5, 10000) for _ in range(5)]  # two ciphertexts each (8192 + 1808 values)
+    parsed = [ckks.verify(public, ckks.encode(private, x, public, 90), 10000) for x in xs]
+    for w in ([int(v) for v in rng.integers(0, 800, 5)], [1, 1, 1, 1, 1], [0, 0, 3, 0, 0]):
+        got = ckks.decode(private, ckks.combine_read(public, parsed, w, 10000), 10000, 90)
+        err = np.abs(got - sum(wi * x for wi, x in zip(w, xs)) / sum(w))
+        assert 0 < err.max() <= ckks.error_bound(90), (w, err.max())
+    # at the capacity, W = 4106 and X = 90: every slot at (X, X) - all slots equal, the largest coefficients -,
+    # at (-X, X), or alternating
+    x_max, sign = ckks.max_abs(4106), np.where(np.arange(4096) % 2, 1.0, -1.0)
+    edge = [np.full(8192, float(x_max)), np.repeat([-1.0, 1.0], 4096) * x_max, np.tile(sign, 2) * x_max]
+    payloads = [ckks.encode(private, x, public, x_max) for x in edge]
+    for w in ([4106, 0, 0], [0, 4106, 0], [0, 0, 4106], [4000, 100, 6]):
+        got = ckks.decode(private, ckks.combine(public, payloads, w, 8192), 8192, x_max)
+        assert np.abs(got - sum(wi * x for wi, x in zip(w, edge)) / sum(w)).max() <= ckks.error_bound(x_max)
+    with pytest.raises(ValueError, match="exceeds the channel's bound 90"):
+        ckks.encode(private, np.array([0.0, 90.5]), public, 90)
+    with pytest.raises(ValueError, match="integers"):
+        ckks.combine_read(public, parsed[:2], [0.5, 0.5], 10000)
 
 
 def test_the_decrypted_aggregate_is_the_plaintext_one_within_the_bound(small_cfg, tmp_path):
@@ -73,8 +90,9 @@ def test_the_decrypted_aggregate_is_the_plaintext_one_within_the_bound(small_cfg
     assert summary["client_failures"] == 0 and server.rows[1]["evaluated_by"].startswith("client ")
     got = ckks.decode(_client_state(grid, 0)["ckks-private"], state.payload, server.engine.channel.num_values)
     err = float(np.max(np.abs(got - expected)))
-    bound = server.rows[1]["channel.error_bound"]
-    assert bound == ckks.error_bound() and 0 < err <= bound + 1e-7, (err, bound)  # + float32 rounding
+    bound = server.rows[1]["channel.error_bound"]  # FedAvg's example counts: exact integer weights
+    assert bound == pytest.approx(ckks.error_bound(server.engine.channel.max_abs), rel=1e-9)
+    assert 0 < err <= bound + 1e-7, (err, bound)  # + the plaintext model's float32 rounding
 
 
 def _client_state(grid, partition):
@@ -139,13 +157,14 @@ class TamperCkks:
         public = keys["ckks-public"]
         num = int.from_bytes(payload[5:13], "big")
         if how == "wrong-key":
-            payload = ckks.encode(ckks.make_keys()[1], np.ones(num))
+            other = ckks.make_keys()
+            payload = ckks.encode(other[1], np.ones(num), other[0])
         elif how == "count":
             payload = ckks.encode(keys["ckks-private"], np.ones(num - 1), public)
         elif how == "truncated":
             payload = payload[:-9]
-        elif how == "not-fresh":  # a combination (one level spent) replayed as a client's payload
-            payload = ckks.combine(public, [payload], [1.0], num)
+        elif how == "combination":  # a combination (total weight 2) passed off as a client's payload
+            payload = ckks.combine(public, [payload, payload], [1, 1], num)
         elif how == "garbage":
             payload = payload[:60] + bytes(range(256)) * 4 + payload[60 + 1024:]
         rec[PAYLOAD] = payload
@@ -156,7 +175,7 @@ def test_each_hostile_payload_is_its_clients_failure(small_cfg, tmp_path, monkey
     monkeypatch.setitem(FLOWER_MODS, "test-tamper-ckks", TamperCkks)
     monkeypatch.setitem(FLOWER_MODS, "test-drop", Drop)
     hostile = {1: ("wrong-key", "(fingerprint)"), 2: ("count", "(count)"), 3: ("truncated", "(count)"),
-               4: ("not-fresh", "(ciphertext[0])"), 5: ("garbage", "payload rejected (")}
+               4: ("combination", "(weight)"), 5: ("garbage", "payload rejected (")}
     how = "{" + ", ".join(f'"{k}"={json.dumps(v[0])}' for k, v in hostile.items()) + "}"
     sets = (*TABULAR, "federation.rounds=1", "federation.num_clients=7", 'data.partition="iid"')
     grid, server, state, summary = _run_inprocess(
@@ -169,7 +188,7 @@ def test_each_hostile_payload_is_its_clients_failure(small_cfg, tmp_path, monkey
                            out=tmp_path / "plain", progress=False)
     expected = _flat([v.numpy() for v in torch.load(plain / "model.pt").values()])
     got = ckks.decode(_client_state(grid, 0)["ckks-private"], state.payload, server.engine.channel.num_values)
-    assert float(np.max(np.abs(got - expected))) <= ckks.error_bound() + 1e-7
+    assert float(np.max(np.abs(got - expected))) <= ckks.error_bound(server.engine.channel.max_abs) + 1e-7
 
 
 @pytest.mark.ray

@@ -47,7 +47,7 @@ from fedsim.crypto.paillier import (
     public_key_to_bytes,
     read_ciphertexts,
 )
-from fedsim.crypto.quantize import MAX_RANGE_EXPONENT, MIN_RANGE_EXPONENT, Quantizer, integer_weights
+from fedsim.crypto.quantize import MAX_RANGE_EXPONENT, MIN_RANGE_EXPONENT, Quantizer, exact_integer_weights
 from fedsim.keydelivery import SealedKeyServer
 from fedsim.params import OneOf, Range, Satisfies
 from fedsim.protocol import (
@@ -84,20 +84,6 @@ ENCRYPT = ("update", "model")
 BITS = {"update": 12, "model": 16}  # channel.bits when unset (docs/paillier.md: "Quantization and its error bound")
 
 _READ = "paillier.read"  # Reply.extra: the payload's header and ciphertexts, as check_reply read them
-
-
-def exact_integer_weights(weights: Sequence[float], precision: int) -> list[int]:
-    """A rule's weights as integers: when they already are integers, divided by their greatest common
-    divisor (the same mean; equal example counts become weights of 1, and a weight of 1 costs the
-    combination no exponentiation) if they then sum to at most ``precision`` (no rounding error), else
-    ``round(p_i * precision)`` (eq. 4.4)."""
-    if all(float(x).is_integer() and x >= 0 for x in weights) and sum(weights) > 0:
-        ints = [int(x) for x in weights]
-        g = math.gcd(*ints)  # the same mean with smaller weights: exact, and cheaper to combine
-        if sum(ints) // g <= precision:
-            return [w // g for w in ints]
-    total = float(sum(weights))
-    return integer_weights([float(x) / total for x in weights], precision)
 
 
 @CHANNELS.register
@@ -376,6 +362,7 @@ class PaillierChannel(InitialModel, EncryptedModelCheckpoints, SealedKeyServer, 
                          "clipped": float(sum(r.extra.get(CLIPPED, 0.0) for r in replies)),
                          "inline_obfuscators": float(sum(r.extra.get(INLINE_OBFUSCATORS, 0.0) for r in replies)),
                          "payload_bytes": float(len(payload)), "clip": self._clip,
+                         "reply_bytes": float(np.mean([len(r.extra[PAYLOAD]) for r in replies])),
                          "values_per_ciphertext": float(self.expected["slots"]),
                          # |decoded - sum_i p_i x_i| per value (docs/paillier.md): rounding, plus the
                          # integer weights' deviation from the rule's weights times the largest |value|

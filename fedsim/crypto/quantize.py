@@ -137,6 +137,20 @@ def integer_weights(probabilities: Sequence[float], precision: int) -> list[int]
     return w
 
 
+def exact_integer_weights(weights: Sequence[float], precision: int) -> list[int]:
+    """A rule's weights as integers: when they already are integers, divided by their greatest common
+    divisor (the same mean; equal example counts become weights of 1, which cost the combination no
+    exponentiation or multiplication) if they then sum to at most ``precision`` (no rounding error), else
+    ``round(p_i * precision)`` (eq. 4.4)."""
+    if all(float(x).is_integer() and x >= 0 for x in weights) and sum(weights) > 0:
+        ints = [int(x) for x in weights]
+        g = math.gcd(*ints)  # the same mean with smaller weights: exact, and cheaper to combine
+        if sum(ints) // g <= precision:
+            return [w // g for w in ints]
+    total = float(sum(weights))
+    return integer_weights([float(x) / total for x in weights], precision)
+
+
 MIN_RANGE_EXPONENT, MAX_RANGE_EXPONENT = -60, 16  # an automatic clip 2**e lies in [2**-60, 2**16]
 
 
