@@ -21,8 +21,7 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/fedsim run experiments/demo.toml --out runs/demo
 
-# Two pytest-xdist workers: the Ray tests (marked `ray`) run one after another on one of them
-# (tests/conftest.py), the in-process tests on the other, mostly while Ray starts and waits.
+# Two pytest-xdist workers; tests sharing a module-scoped fixture run on one of them (tests/conftest.py).
 PYTEST_WORKERS ?= 2
 
 test: $(STAMP)

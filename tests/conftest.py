@@ -245,22 +245,18 @@ def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` (full-length reproductions whose quick check is in the default suite) are
     skipped unless ``--slow`` is given: ``make test`` (what CI runs) stays within its time budget.
 
-    With pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) every test marked ``ray`` (a Ray
-    simulation, a Ray head, a SuperLink with SuperNodes) runs on one worker, one after another: two Ray
-    clusters at once would fight over the machine's two cores and each other's start-up. The other
-    worker runs the in-process tests meanwhile, much of it while the Ray tests wait on start-up.
-
-    The other tests that share a module-scoped fixture of a test file (a few simulations run once for
-    several tests) run on one worker too: spread over two, each worker ran the fixture itself (CI showed
-    seed 000's accuracy runs, ~57 s, set up twice)."""
+    With pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``) the tests that share a module-scoped
+    fixture of a test file (a few simulations run once for several tests) run on one worker: spread over
+    two, each worker ran the fixture itself (CI showed seed 000's accuracy runs, ~57 s, set up twice).
+    The Ray tests (marked ``ray``) are not grouped: put on one worker they made a ~650 s chain, the
+    suite's critical path (a quiet fresh-clone run took 865 s instead of 750 s); spread over both
+    workers, as the suite always ran them, they overlap their start-up waits with other work."""
     run_slow = config.getoption("--slow")
     skip_slow = pytest.mark.skip(reason="slow: run with --slow (make test-slow / make test-all)")
     for item in items:
         if item.get_closest_marker("slow") and not run_slow:
             item.add_marker(skip_slow)
-        if item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group("ray"))
-        elif shared := _module_fixture(item):
+        if shared := _module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(shared))
 
 

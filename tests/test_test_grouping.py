@@ -2,7 +2,7 @@
 run on one worker, when the groups are given as tests/conftest.py gives them (in a ``tryfirst`` collection
 hook: pytest-xdist's own hook reads them into the node ids). Without ``tryfirst``, and with pytest 9.2
 (pytest-xdist 3.8 writes node ids where pytest 9.2 no longer reads them) the grouping was silently lost:
-every Ray test and shared module fixture spread over both workers (CI showed seed 000's accuracy runs set
+every shared module fixture spread over both workers (CI showed seed 000's accuracy runs set
 up twice), hence pyproject.toml's ``pytest<9.2``. This test fails if a pytest / pytest-xdist pair loses it."""
 from __future__ import annotations
 
