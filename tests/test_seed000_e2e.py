@@ -33,7 +33,7 @@ from fedsim.reports import read_jsonl
 LRP = {"name": "lrp", "slices": 10, "gamma": 0.3, "sigma": 0.1}  # the paper's GIA setting, var 1e-2, 30%
 
 # FedSGD in the attacks' worst case (one sample per batch, one local step) on the tanh LeNet
-FEDSGD = ("federation.num_clients=30", "federation.rounds=40", "train.lr=0.1", "train.batch_size=1",
+FEDSGD = ("federation.num_clients=30", "federation.rounds=28", "train.lr=0.1", "train.batch_size=1",
           "train.local_steps=1", 'model.activation="tanh"', 'data.partition="iid"')
 
 
@@ -74,8 +74,9 @@ def _make(*sets, **kw):
 
 @pytest.fixture(scope="module")
 def accuracy_runs(tmp_path_factory):
-    """no defense / LRP / LRP + compensation (without and with error feedback), 30 clients x 40 FedSGD
-    rounds, seed 0 (~30 s)."""
+    """no defense / LRP / LRP + compensation (without and with error feedback), 30 clients x 28 FedSGD
+    rounds, seed 0 (~20 s on a quiet machine; 28 rounds, not the 40 measured before 2026-11-26, to keep the
+    suite within its time: every assertion below holds at both, with the numbers in the docstrings)."""
     out = tmp_path_factory.mktemp("seed000-acc")
     runs = {}
     for label, extra, defenses in (("none", (), []), ("lrp", (), [LRP]), ("lrp+comp", (COMP,), [LRP]),
@@ -88,10 +89,11 @@ def accuracy_runs(tmp_path_factory):
 
 def test_lrp_without_compensation_keeps_accuracy(accuracy_runs):
     """At the noise that defeats the attacks (test_attack_fails_on_lrp), plain FedAvg averages the LRP
-    noise away. Measured (mean of the last 5 rounds): no defense 0.637, LRP 0.636 (seed 1: 0.626 /
-    0.625; 50 clients x 60 rounds: 0.744 / 0.738 and 0.728 / 0.730)."""
+    noise away. Measured (mean of the last 5 rounds): no defense 0.524, LRP 0.527 (seed 1: 0.554 / 0.549;
+    at 40 rounds 0.637 / 0.636, seed 1 0.626 / 0.625; 50 clients x 60 rounds: 0.744 / 0.738 and
+    0.728 / 0.730)."""
     none, lrp = accuracy_runs["none"]["acc"], accuracy_runs["lrp"]["acc"]
-    assert none > 0.5, none  # the federation learns at all
+    assert none > 0.4, none  # the federation learns at all (chance is 0.1)
     assert abs(lrp - none) <= 0.03, (none, lrp)
     # ... while LRP really perturbed training: every round's clients declared noise, and the final model
     # is another one (an LRP that did nothing would reproduce the undefended run exactly)
@@ -105,8 +107,8 @@ def test_compensation_costs_accuracy_at_the_papers_noise(accuracy_runs):
     """The strategy's MP compensation at sigma = 0.1 keeps only a few of the w = 47 directions of the
     reshaped update in the early rounds (noise and weak signal directions alike are cut) and training
     slows.
-    Measured: LRP + compensation 0.383 vs LRP 0.636 (seed 1: 0.524 vs 0.625; 50 clients x 60
-    rounds: 0.638 vs 0.738 and 0.656 vs 0.730)."""
+    Measured: LRP + compensation 0.152 vs LRP 0.527 (seed 1: 0.417 vs 0.549; at 40 rounds 0.383 vs 0.636,
+    seed 1 0.524 vs 0.625; 50 clients x 60 rounds: 0.638 vs 0.738 and 0.656 vs 0.730)."""
     lrp, comp = accuracy_runs["lrp"]["acc"], accuracy_runs["lrp+comp"]["acc"]
     assert comp <= lrp - 0.08, (lrp, comp)
     rows = accuracy_runs["lrp+comp"]["rows"]
@@ -115,15 +117,16 @@ def test_compensation_costs_accuracy_at_the_papers_noise(accuracy_runs):
     n = sum(v.numel() for v in accuracy_runs["none"]["model"].values())
     assert rows[1]["mp-compensation.w"] == matrix_shape(n, 6.0)[1]
     # what this guards: the compensation acts in every round (some directions removed, some kept); it
-    # is not skipped and does not zero the update. (Measured: 2-6 of 47 kept in rounds 1-17, 26 by 40.)
+    # is not skipped and does not zero the update. (Measured: 2-6 of 47 kept in rounds 1-18, 12 by 28.)
     assert all(1 <= k < rows[1]["mp-compensation.w"] for k in kept), kept
 
 
 def test_error_feedback_gives_back_what_compensation_cost(accuracy_runs):
     """Carrying what the projection removed into the next round (eq. 6's accumulated error) turns the
-    lost signal into a delayed one. Measured: LRP + compensation + feedback 0.634 vs 0.383 without
-    feedback and 0.636 for LRP alone (seed 1: 0.624 / 0.524 / 0.625; 50 clients x 60 rounds, seeds
-    0 / 1: 0.734 / 0.718 vs 0.638 / 0.656 and 0.738 / 0.730)."""
+    lost signal into a delayed one. Measured: LRP + compensation + feedback 0.511 vs 0.152 without
+    feedback and 0.527 for LRP alone (seed 1: 0.552 / 0.417 / 0.549; at 40 rounds 0.634 / 0.383 / 0.636,
+    seed 1 0.624 / 0.524 / 0.625; 50 clients x 60 rounds, seeds 0 / 1: 0.734 / 0.718 vs 0.638 / 0.656
+    and 0.738 / 0.730)."""
     lrp, comp, ef = (accuracy_runs[k]["acc"] for k in ("lrp", "lrp+comp", "lrp+comp+ef"))
     assert ef >= comp + 0.10, (comp, ef)
     assert abs(ef - lrp) <= 0.03, (lrp, ef)
