@@ -10,7 +10,7 @@ STAMP := $(VENV)/.fedsim-installed
 .PHONY: setup demo test test-fast test-slow test-all lint bench results clean
 
 # pip byte-compiles what it installs on one core; compiling afterwards on every core gives the same
-# .pyc files about 50 s sooner on 2 cores (184 s -> 134 s measured; docs/benchmarks.md, "Test suite").
+# .pyc files about 50 s sooner on 2 cores (184 s -> 134 s measured; docs/benchmarks.md, "The test suite's own time").
 # Files that do not compile are skipped, as pip skips them.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
