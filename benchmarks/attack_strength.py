@@ -37,7 +37,7 @@ import math
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -184,13 +184,27 @@ def main(argv=None) -> None:
     print(f"torch {torch.__version__}, 1 thread per process, {args.jobs} process(es), {os.cpu_count()} CPUs; "
           f"{len(tasks)} victims", flush=True)
     t_all = time.perf_counter()
+
+    def progress(k: int, r: dict[str, Any]) -> None:  # one line per finished victim, on stderr
+        spent = time.perf_counter() - t_all
+        print(f"[{k}/{len(tasks)}] {r['spec']} batch {r['batch']} victim {r['victim']}: median SSIM "
+              f"{float(np.median(r['ssim'])):.3f}, {r['seconds']:.0f} s  (elapsed {spent / 60:.1f} min, "
+              f"ETA {spent / k * (len(tasks) - k) / 60:.1f} min)", file=sys.stderr, flush=True)
+
     if args.jobs > 1:
         order = sorted(range(len(tasks)), key=lambda i: -tasks[i][2])  # the largest batches first
+        done: dict[int, dict[str, Any]] = {}
         with ProcessPoolExecutor(args.jobs) as pool:
-            done = dict(zip(order, pool.map(_run, [tasks[i] for i in order])))
+            futures = {pool.submit(_run, tasks[i]): i for i in order}
+            for k, future in enumerate(as_completed(futures), 1):
+                done[futures[future]] = future.result()
+                progress(k, done[futures[future]])
         results = [done[i] for i in range(len(tasks))]
     else:
-        results = [_run(t) for t in tasks]
+        results = []
+        for k, t in enumerate(tasks, 1):
+            results.append(_run(t))
+            progress(k, results[-1])
     rows = []
     print(f"{'attack':12} {'B':>2} {'images':>6} {'ASR':>5} {'half/batches':>12} {'med SSIM':>8} {'PSNR':>6} "
           f"{'labels':>6} {'evals':>7} {'tries':>5} {'s/victim':>8} {'ms/eval':>7} {'floor ms':>8} {'/floor':>6}")
