@@ -245,7 +245,8 @@ def main(argv=None) -> None:
                 fl = floor_rate(inputs[c], args.seconds)  # the floor just before the attack: the same load
                 rate = attack_rate(n, inputs[c], args.seconds, fl, sets.get(n))
                 ratios[c].setdefault(n, []).append(fl / rate)
-                best[c] = {**best[c], "floor": max(best[c].get("floor", 0.0), fl), n: max(best[c].get(n, 0.0), rate)}
+                best[c]["floor"] = max(best[c].get("floor", 0.0), fl)
+                best[c][n] = max(best[c].get(n, 0.0), rate)
     print("\nIterations per second (best of the repeats), and time per iteration over the floor's (median of "
           "the repeats' ratios, each attack against the floor timed just before it)")
     print(f"{'model':8} {'batch':>5} {'floor it/s':>11} " + " ".join(f"{n + ' it/s':>10} {'/floor':>6}" for n in names))
