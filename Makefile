@@ -9,15 +9,19 @@ STAMP := $(VENV)/.fedsim-installed
 
 .PHONY: setup demo test test-fast test-slow test-all lint bench results clean
 
-# pip byte-compiles what it installs on one core; compiling afterwards on every core gives the same
-# .pyc files about 50 s sooner on 2 cores (184 s -> 134 s measured; docs/benchmarks.md, "The test suite's own time").
-# Files that do not compile are skipped, as pip skips them.
+# pip byte-compiles every file it installs, on one core; most of those files are never imported. Instead the
+# install skips it and one import of the stack then writes the .pyc files of what the runs and tests use
+# (about 20 s here, against 53 s to compile the whole venv: docs/benchmarks.md, "The test suite's own time").
+# The recipes below may write .pyc files even where the shell sets PYTHONDONTWRITEBYTECODE (as this
+# machine does): otherwise every new process (Ray actors, Flower's app processes, `fedsim` subprocesses)
+# compiles the stack again, twice as slow to start.
+unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q --no-compile $(TORCH_SPEC)
 	$(PY) -m pip install -q --no-compile -e ".[dev]"
-	$(PY) -m compileall -qq -j 0 $(VENV)/lib > /dev/null || true
+	$(PY) -c "import fedsim.app.cli, fedsim.app.runner, fedsim.app.client, flwr.simulation, ray, attacks, strategies, clients, channels, pytest, xdist"
 	touch $(STAMP)
 
 setup: $(STAMP)
