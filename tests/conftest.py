@@ -250,13 +250,7 @@ def pytest_collection_modifyitems(config, items):
     two, each worker ran the fixture itself (CI showed seed 000's accuracy runs, ~57 s, set up twice).
     The Ray tests (marked ``ray``) are not grouped: put on one worker they made a ~650 s chain, the
     suite's critical path (a quiet fresh-clone run took 865 s instead of 750 s); spread over both
-    workers, as the suite always ran them, they overlap their start-up waits with other work.
-
-    The long units go first: tests marked ``ray`` or ``long`` (each 20 s or more) in collection order,
-    then the rest. pytest-xdist hands out the groups of several tests first, then one unit at a time to
-    whichever worker is nearly idle, in this order; a long test collected last (test_reliability's signal
-    tests, seed 000's attack tests) kept one worker busy for up to a minute after the other had finished."""
-    items[:] = sorted(items, key=lambda item: not (item.get_closest_marker("ray") or item.get_closest_marker("long")))
+    workers, as the suite always ran them, they overlap their start-up waits with other work."""
     run_slow = config.getoption("--slow")
     skip_slow = pytest.mark.skip(reason="slow: run with --slow (make test-slow / make test-all)")
     for item in items:

@@ -258,7 +258,6 @@ def test_dlg_original_is_a_preset_of_dlg():
 
 
 # ------------------------------------------------------------------ CPL
-@pytest.mark.long
 def test_cpl_patterned_converges_faster_than_random_dlg():
     """Iterations to reach gradient distance 1e-4 (not converged = the 300 cap), averaged over
     3 images. Measured per image (CPL / DLG with its original N(0, 1) init and the same inferred labels /
@@ -347,7 +346,6 @@ def test_cpl_dlg_ig_reconstruct_records_on_an_mlp():
 
 
 # ------------------------------------------------------------------ Inverting Gradients
-@pytest.mark.long
 def test_inverting_gradients_fedavg_multistep():
     """Three local SGD steps (lr 0.05) of one image on a ReLU LeNet (PyTorch default init).
     FedAvg-aware IG, 400 Adam steps: measured SSIM 0.94, 0.80 (and 0.86 on image 113); matching the

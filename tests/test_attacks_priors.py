@@ -98,7 +98,6 @@ def test_bn_statistics_from_the_update_equal_the_victims():
     assert all(torch.equal(granted[n][0], truth[n][0]) for n in truth)
 
 
-@pytest.mark.long
 def test_bn_prior_with_victim_statistics_improves_inverting_gradients():
     """LeNet with BatchNorm (ReLU), batch 4, 400 iterations, the same loop with and without the prior
     (weight 0.1). Measured MSE: without 0.067, 0.077; statistics read from the update (the default

@@ -272,7 +272,6 @@ def test_grouping_by_global_model():
     assert group_inputs(inputs, max_group=1) == [[0], [1], [2], [3]]
 
 
-@pytest.mark.long
 def test_run_many_matches_one_by_one():
     """Stacked victims give the results of one-by-one runs. The first iterations agree to float rounding
     (L-BFGS without line search amplifies rounding by ~10x per 5 steps, so long trajectories drift

@@ -344,7 +344,6 @@ def test_handing_the_key_to_the_attacker_brings_leakage_back(leakage, attack):
     assert leakage[("fedkl+key", attack)] >= leakage[("fedkl", attack)] + 0.3, leakage
 
 
-@pytest.mark.long
 def test_bn_prior_attack_recovers_the_bn_lenet_without_the_key_lock_and_fails_with_it(tmp_path):
     """The BN LeNet (batch norm in every block), where plain DLG/iDLG/IG stop short (a BN right after the
     first convolution makes an image recoverable only up to scale): ``ig-bn`` with the BN statistics the
@@ -424,7 +423,6 @@ def test_granted_knowledge_reproduces_the_victims_gradient(small_cfg, recorder, 
 
 
 # ----------------------------------------------------------------------------------------- accuracy
-@pytest.mark.long
 def test_own_key_accuracy_is_close_to_fedavg_and_a_random_key_is_not(small_cfg, tmp_path):
     """Table 5.1 / 5.3 direction on the same run length. Client 2's reported own-key accuracies are
     recomputed: before local training (the thesis's measurement) from the global model the server sent in

@@ -276,7 +276,6 @@ def test_a_failed_inversion_scores_as_nothing_recovered(small_cfg):
 
 
 # ------------------------------------------------------------------ the curious client: membership
-@pytest.mark.long
 def test_membership_inference_is_at_chance_under_the_perturbation(small_cfg, tmp_path):
     """§6.4.1 at the last round of an overfitting federation (3 clients x 60 fmnist-small images, full-batch
     FedSGD, MSE, lr 0.5, 400 rounds): calibrated on the round before (the paper's setting) with the

@@ -457,7 +457,6 @@ def test_a_sweep_skips_completed_variants_and_resumes_the_interrupted_one(tmp_pa
 
 
 # ============================================================================ (3) run-folder safety
-@pytest.mark.long
 def test_a_second_run_into_a_folder_in_use_fails_at_once(tmp_path):
     """Two ``fedsim run`` processes into one --out: the second exits 2 naming the first, and writes nothing."""
     cfg_file = write_config(tmp_path, rounds=10_000)  # runs until stopped

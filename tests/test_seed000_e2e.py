@@ -163,7 +163,6 @@ def _muted(attack: dict, patterns: list[str]) -> dict:
     return a
 
 
-@pytest.mark.long
 def test_attack_fails_on_lrp_but_succeeds_on_pld_with_fc_muted(tmp_path):
     """Table I / II direction, batch-1 FedSGD round 1 (the paper's worst case), two victims.
     Measured mean SSIM (PSNR): LRP sigma 0.1 -> iDLG 0.071 (5.9 dB), IG 0.239 (10.2 dB; victims 0.18
@@ -177,7 +176,6 @@ def test_attack_fails_on_lrp_but_succeeds_on_pld_with_fc_muted(tmp_path):
         assert pld_muted[name]["ssim"] > 0.9 and pld_muted[name]["success_content"] == 1.0, (name, pld_muted[name])
 
 
-@pytest.mark.long
 def test_attacker_side_compensation_does_not_restore_the_attack(tmp_path):
     """§V-C abuse: the curious server compensates the single victim update (its declared noise
     variance) before attacking. Measured mean SSIM: iDLG 0.079, IG 0.147 (0.071 / 0.239 without it)."""
