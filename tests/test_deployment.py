@@ -130,7 +130,7 @@ def test_secure_deployment_refuses_an_unregistered_node_and_survives_a_killed_on
     refused (it exits with Flower's connection error code 305, and the SuperLink logs the failed activation);
     `flwr run` submits fedsim over TLS: round 1 has the 3 registered nodes' replies, then one of them is
     killed, and the run still completes its 2 rounds with that node's failure recorded."""
-    for tool in ("flwr", "flower-superlink", "flower-supernode"):
+    for tool in ("flwr", "flower-superlink"):  # the SuperNodes: flwr.supernode.cli, run by _SUPERNODE
         if not (BIN / tool).exists():
             pytest.fail(f"{tool} is not installed next to this Python")
     home, out, logs = tmp_path / "flwr-home", tmp_path / "run", tmp_path / "logs"
