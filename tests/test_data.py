@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import gzip
+import os
+import pickle
 
 import numpy as np
 import pytest
@@ -349,3 +351,67 @@ def test_a_malformed_per_source_accuracy_is_an_invalid_reply(small_cfg):
     for bad in ([0.5, 1.5], [float("nan")], "0.5", [True], [0.5] * 65):
         with pytest.raises(InvalidReply, match=EVAL_SOURCE_ACCURACY):
             checks.check_evaluation(Evaluation({**ok, EVAL_SOURCE_ACCURACY: bad}))
+
+
+# --------------------------------------------- MNIST / CIFAR in torchvision's layout, read without torchvision
+def _idx(path, arr):
+    arr = np.asarray(arr, dtype=np.uint8)
+    head = bytes([0, 0, 8, arr.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in arr.shape)
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "wb") as fh:
+        fh.write(head + arr.tobytes())
+
+
+def test_mnist_is_read_from_torchvisions_layout_gzipped_or_not(tmp_path):
+    rng = np.random.default_rng(0)
+    raw = tmp_path / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    xtr, ytr = rng.integers(0, 256, (40, 28, 28)), rng.integers(0, 10, 40)
+    xte, yte = rng.integers(0, 256, (12, 28, 28)), rng.integers(0, 10, 12)
+    _idx(raw / "train-images-idx3-ubyte.gz", xtr)
+    _idx(raw / "train-labels-idx1-ubyte", ytr)
+    _idx(raw / "t10k-images-idx3-ubyte", xte)
+    _idx(raw / "t10k-labels-idx1-ubyte.gz", yte)
+    ds = load_dataset.__wrapped__("mnist", str(tmp_path), False, 10)
+    assert ds.num_classes == 10 and ds.x_train.shape == (30, 1, 28, 28) and ds.x_root.shape == (10, 1, 28, 28)
+    assert torch.equal(ds.y_test, torch.as_tensor(yte))
+    assert torch.allclose(ds.x_test[:, 0], torch.as_tensor(xte / 255.0, dtype=torch.float32))
+    (raw / "t10k-labels-idx1-ubyte.gz").unlink()
+    with pytest.raises(DatasetUnavailable, match="missing .*t10k-labels-idx1-ubyte"):
+        load_dataset.__wrapped__("mnist", str(tmp_path), False, 10)
+
+
+def _cifar_dir(tmp_path, rng, n=6):
+    d = tmp_path / "cifar-10-batches-py"
+    d.mkdir()
+    batches = {}
+    for f in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batches[f] = {"data": rng.integers(0, 256, (n, 3072)).astype(np.uint8),
+                      "labels": [int(v) for v in rng.integers(0, 10, n)], "batch_label": f}
+        (d / f).write_bytes(pickle.dumps(batches[f], protocol=2))
+    (d / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"c{i}" for i in range(10)]}, protocol=2))
+    return d, batches
+
+
+def test_cifar10_is_read_from_torchvisions_pickles_as_hwc_images(tmp_path):
+    d, batches = _cifar_dir(tmp_path, np.random.default_rng(1))
+    ds = load_dataset.__wrapped__("cifar10", str(tmp_path), False, 5)
+    assert ds.x_train.shape == (25, 3, 32, 32) and ds.x_test.shape == (6, 3, 32, 32) and ds.class_names[3] == "c3"
+    test = batches["test_batch"]
+    assert ds.y_test.tolist() == test["labels"]
+    # channel c of pixel (h, w) is data[c * 1024 + h * 32 + w], as in CIFAR's files
+    assert float(ds.x_test[2, 1, 4, 7]) == pytest.approx(test["data"][2, 1024 + 4 * 32 + 7] / 255.0)
+
+
+def test_a_cifar_file_that_asks_to_run_code_is_refused_not_run(tmp_path):
+    d, _ = _cifar_dir(tmp_path, np.random.default_rng(2))
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (d / "data_batch_3").write_bytes(pickle.dumps({"data": Evil(), "labels": []}, protocol=2))
+    with pytest.raises(DatasetUnavailable, match=r"data_batch_3 cannot be read as a CIFAR batch .*(posix|os)\.system"):
+        load_dataset.__wrapped__("cifar10", str(tmp_path), False, 5)
+    assert not marker.exists()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import pickle
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -142,32 +143,125 @@ def _load_fmnist(data_dir: str | None, download: bool, root_size: int) -> Datase
 
 
 _TV = {"mnist": ("MNIST", 10), "cifar10": ("CIFAR10", 10), "cifar100": ("CIFAR100", 100)}
+MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
+               "t10k-labels-idx1-ubyte")
+#: torchvision's folder layout: (folder, training files, test files, label key, meta file, class-name key)
+CIFAR_LAYOUT = {
+    "cifar10": ("cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), "labels",
+                "batches.meta", "label_names"),
+    "cifar100": ("cifar-100-python", ("train",), ("test",), "fine_labels", "meta", "fine_label_names"),
+}
+
+
+class _ArraysOnly(pickle.Unpickler):
+    """CIFAR's files are pickles: this unpickler builds only numpy arrays, dicts, lists and strings, so a
+    file that asks for anything else (code to run) is refused instead of executed."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in (("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")):
+            return _np_reconstruct
+        if module == "numpy" and name in ("ndarray", "dtype"):
+            return getattr(np, name)
+        if (module, name) == ("_codecs", "encode"):  # how Python 3 writes bytes at protocol 2: text -> bytes only
+            import _codecs
+
+            return _codecs.encode
+        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a CIFAR file never holds")
+
+
+def _np_reconstruct(*args: Any) -> Any:
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return _reconstruct(*args)
+
+
+def _read_cifar_file(path: Path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            obj = _ArraysOnly(fh, encoding="latin1").load()
+    except FileNotFoundError:
+        raise
+    except Exception as exc:  # any damage or a refused global: the file is named, nothing is run
+        raise DatasetUnavailable(f"dataset file {path} cannot be read as a CIFAR batch ({type(exc).__name__}: "
+                                 f"{exc}); reinstall it") from None
+    if not isinstance(obj, dict):
+        raise DatasetUnavailable(f"dataset file {path} is not a CIFAR batch (a {type(obj).__name__}, not a dict)")
+    return obj
+
+
+def _read_cifar(name: str, root: Path) -> tuple[np.ndarray, ...]:
+    folder, train, test, label_key, meta, names_key = CIFAR_LAYOUT[name]
+    d = root / folder
+
+    def part(files: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+        xs, ys = [], []
+        for f in files:
+            batch = _read_cifar_file(d / f)
+            x, y = np.asarray(batch.get("data")), np.asarray(batch.get(label_key), dtype=np.int64)
+            if x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or y.shape != (len(x),):
+                raise DatasetUnavailable(f"dataset file {d / f} does not match CIFAR's layout: data {x.shape} "
+                                         f"{x.dtype}, {label_key} {y.shape}; reinstall it")
+            xs.append(x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
+            ys.append(y)
+        return np.concatenate(xs), np.concatenate(ys)
+
+    xtr, ytr = part(train)
+    xte, yte = part(test)
+    classes = ()
+    if (d / meta).exists():
+        classes = tuple(str(c) for c in _read_cifar_file(d / meta).get(names_key, ()))
+    return xtr, ytr, xte, yte, classes
+
+
+def _read_mnist(root: Path) -> tuple[np.ndarray, ...]:
+    d = root / "MNIST" / "raw"
+
+    def read(f: str) -> np.ndarray:
+        for p in (d / f, d / (f + ".gz")):
+            if p.exists():
+                return _read_idx(p)
+        raise FileNotFoundError(2, "no such file", str(d / f))
+
+    xtr, ytr, xte, yte = (read(f) for f in MNIST_FILES)
+    for x, y, f in ((xtr, ytr, MNIST_FILES[1]), (xte, yte, MNIST_FILES[3])):
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
+            raise DatasetUnavailable(f"dataset files in {d} do not match: {f} has {y.shape} labels for images "
+                                     f"{x.shape}; reinstall them")
+    return xtr, ytr, xte, yte, tuple(f"{i}" for i in range(10))
 
 
 def _load_torchvision(name: str):
+    """MNIST and CIFAR-10/100 from a data directory in torchvision's layout, read by fedsim itself (torchvision
+    is needed only to download them: ``pip install 'fedsim[vision]'``)."""
     def load(data_dir: str | None, download: bool, root_size: int) -> Dataset:
-        import torchvision.datasets as tvd
-
         cls_name, n_cls = _TV[name]
         if not data_dir:
             raise DatasetUnavailable(
-                f"dataset {name!r} is read through torchvision from a data directory: set data.data_dir "
+                f"dataset {name!r} is read from a data directory: set data.data_dir "
                 f"to a folder holding torchvision's {cls_name} files, or to an empty folder together "
                 f"with data.download=true on a machine with internet access.")
-        cls = getattr(tvd, cls_name)
+        if download:
+            try:
+                import torchvision.datasets as tvd
+            except ImportError:
+                raise DatasetUnavailable(f"dataset {name!r}: data.download=true needs torchvision "
+                                         "(pip install 'fedsim[vision]'); or put the files in data.data_dir "
+                                         "and set data.download=false") from None
+            for train in (True, False):
+                getattr(tvd, cls_name)(data_dir, train=train, download=True)
         try:
-            tr = cls(data_dir, train=True, download=download)
-            te = cls(data_dir, train=False, download=download)
-        except RuntimeError as exc:  # torchvision: "Dataset not found. You can use download=True ..."
+            xtr, ytr, xte, yte, classes = (_read_mnist if name == "mnist" else
+                                           lambda r: _read_cifar(name, r))(Path(data_dir))
+        except FileNotFoundError as exc:
             raise DatasetUnavailable(
-                f"dataset {name!r}: torchvision could not find {cls_name} in data.data_dir={data_dir!r} "
-                f"({exc}). Put the files there or set data.download=true where internet is available."
-            ) from exc
-        xtr, ytr = np.asarray(tr.data), np.asarray(tr.targets)
-        xte, yte = np.asarray(te.data), np.asarray(te.targets)
+                f"dataset {name!r}: {cls_name} is not in data.data_dir={data_dir!r} (missing {exc.filename}). "
+                f"Put torchvision's files there or set data.download=true where internet is available."
+            ) from None
         xtr, ytr, xr, yr = _hold_out_root(xtr, ytr, root_size)
         return Dataset(name, _images(xtr), _labels(ytr), _images(xte), _labels(yte), _images(xr),
-                       _labels(yr), n_cls, class_names=tuple(getattr(tr, "classes", ())))
+                       _labels(yr), n_cls, class_names=classes)
 
     return load
 
@@ -258,7 +352,7 @@ def _fmnist_available(data_dir: str | None) -> tuple[bool, str]:
 def _tv_available(name: str):
     def check(data_dir: str | None) -> tuple[bool, str]:
         if not data_dir:
-            return False, "needs data.data_dir (torchvision files) or data.download=true with internet"
+            return False, "needs data.data_dir (torchvision's files) or data.download=true with internet"
         return True, f"will be read from {data_dir}"
 
     return check
@@ -273,10 +367,10 @@ def _register_builtins() -> None:
                                      "(2,000 train / 500 test / 200 public root, 28x28 grey, 10 classes)", _always),
         "fmnist": DatasetEntry(_load_fmnist, "full Fashion-MNIST (60k/10k) from Debian's dataset-fashion-mnist "
                                "or data.data_dir", _fmnist_available),
-        "mnist": DatasetEntry(_load_torchvision("mnist"), "MNIST via torchvision (data.data_dir)", _tv_available("mnist")),
-        "cifar10": DatasetEntry(_load_torchvision("cifar10"), "CIFAR-10 via torchvision (data.data_dir)",
+        "mnist": DatasetEntry(_load_torchvision("mnist"), "MNIST in torchvision's layout (data.data_dir)", _tv_available("mnist")),
+        "cifar10": DatasetEntry(_load_torchvision("cifar10"), "CIFAR-10 in torchvision's layout (data.data_dir)",
                                 _tv_available("cifar10")),
-        "cifar100": DatasetEntry(_load_torchvision("cifar100"), "CIFAR-100 via torchvision (data.data_dir)",
+        "cifar100": DatasetEntry(_load_torchvision("cifar100"), "CIFAR-100 in torchvision's layout (data.data_dir)",
                                  _tv_available("cifar100")),
         "breast-cancer": DatasetEntry(_load_breast_cancer, "Wisconsin breast cancer, 569 x 30 tabular, 2 classes "
                                       "(scikit-learn)", _always),
