@@ -1,9 +1,7 @@
 """Dataset registry: each entry knows how to load itself and how to explain what is missing."""
 from __future__ import annotations
 
-import gzip
 import os
-import pickle
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -12,14 +10,11 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
+from fedsim.data.files import IDX_FILES, DatasetUnavailable, read_cifar, read_idx, read_mnist
+
 EMBEDDED = Path(__file__).with_name("fmnist_small.npz")
 DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
-FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-
-
-class DatasetUnavailable(RuntimeError):
-    """The dataset's files are not on this machine; the message says how to get them."""
+FMNIST_FILES = IDX_FILES  # Fashion-MNIST's files are named like MNIST's
 
 
 @dataclass(frozen=True)
@@ -81,29 +76,6 @@ def _load_fmnist_small(data_dir: str | None, download: bool, root_size: int) -> 
                        class_names=FMNIST_CLASSES)
 
 
-def _read_idx(path: Path) -> np.ndarray:
-    """An IDX file of unsigned bytes (optionally gzipped); a damaged file is reported by name."""
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as fh:
-            data = fh.read()
-    except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError; a cut .gz raises EOFError
-        raise DatasetUnavailable(f"dataset file {path} cannot be read ({type(exc).__name__}: {exc}); "
-                                 "reinstall it") from None
-    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08 or not 1 <= data[3] <= 4:
-        raise DatasetUnavailable(f"dataset file {path} is not an IDX file of unsigned bytes (bad header "
-                                 f"{data[:4].hex() or 'empty'}); reinstall it")
-    ndim = data[3]
-    if len(data) < 4 + 4 * ndim:
-        raise DatasetUnavailable(f"dataset file {path} is truncated (header cut short); reinstall it")
-    dims = [int.from_bytes(data[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-    need = 4 + 4 * ndim + int(np.prod(dims, dtype=np.int64))
-    if len(data) != need:
-        raise DatasetUnavailable(f"dataset file {path} holds {len(data)} bytes, its header {dims} needs {need} "
-                                 "(truncated or damaged); reinstall it")
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims).copy()
-
-
 def _find_fmnist(data_dir: str | None) -> Path | None:
     candidates = []
     if data_dir:
@@ -130,7 +102,7 @@ def _load_fmnist(data_dir: str | None, download: bool, root_size: int) -> Datase
 
     def read(f: str) -> np.ndarray:
         p = d / f
-        return _read_idx(p if p.exists() else d / (f + ".gz"))
+        return read_idx(p if p.exists() else d / (f + ".gz"))
 
     xtr, ytr, xte, yte = (read(f) for f in FMNIST_FILES)
     for x, y, f in ((xtr, ytr, FMNIST_FILES[1]), (xte, yte, FMNIST_FILES[3])):
@@ -143,95 +115,6 @@ def _load_fmnist(data_dir: str | None, download: bool, root_size: int) -> Datase
 
 
 _TV = {"mnist": ("MNIST", 10), "cifar10": ("CIFAR10", 10), "cifar100": ("CIFAR100", 100)}
-MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-               "t10k-labels-idx1-ubyte")
-#: torchvision's folder layout: (folder, training files, test files, label key, meta file, class-name key)
-CIFAR_LAYOUT = {
-    "cifar10": ("cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), "labels",
-                "batches.meta", "label_names"),
-    "cifar100": ("cifar-100-python", ("train",), ("test",), "fine_labels", "meta", "fine_label_names"),
-}
-
-
-class _ArraysOnly(pickle.Unpickler):
-    """CIFAR's files are pickles: this unpickler builds only numpy arrays, dicts, lists and strings, so a
-    file that asks for anything else (code to run) is refused instead of executed."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in (("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")):
-            return _np_reconstruct
-        if module == "numpy" and name in ("ndarray", "dtype"):
-            return getattr(np, name)
-        if (module, name) == ("_codecs", "encode"):  # how Python 3 writes bytes at protocol 2: text -> bytes only
-            import _codecs
-
-            return _codecs.encode
-        raise pickle.UnpicklingError(f"it asks for {module}.{name}, which a CIFAR file never holds")
-
-
-def _np_reconstruct(*args: Any) -> Any:
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:  # numpy < 2
-        from numpy.core.multiarray import _reconstruct
-    return _reconstruct(*args)
-
-
-def _read_cifar_file(path: Path) -> dict:
-    try:
-        with open(path, "rb") as fh:
-            obj = _ArraysOnly(fh, encoding="latin1").load()
-    except FileNotFoundError:
-        raise
-    except Exception as exc:  # any damage or a refused global: the file is named, nothing is run
-        raise DatasetUnavailable(f"dataset file {path} cannot be read as a CIFAR batch ({type(exc).__name__}: "
-                                 f"{exc}); reinstall it") from None
-    if not isinstance(obj, dict):
-        raise DatasetUnavailable(f"dataset file {path} is not a CIFAR batch (a {type(obj).__name__}, not a dict)")
-    return obj
-
-
-def _read_cifar(name: str, root: Path) -> tuple[np.ndarray, ...]:
-    folder, train, test, label_key, meta, names_key = CIFAR_LAYOUT[name]
-    d = root / folder
-
-    def part(files: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
-        xs, ys = [], []
-        for f in files:
-            batch = _read_cifar_file(d / f)
-            x, y = np.asarray(batch.get("data")), np.asarray(batch.get(label_key), dtype=np.int64)
-            if x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or y.shape != (len(x),):
-                raise DatasetUnavailable(f"dataset file {d / f} does not match CIFAR's layout: data {x.shape} "
-                                         f"{x.dtype}, {label_key} {y.shape}; reinstall it")
-            xs.append(x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
-            ys.append(y)
-        return np.concatenate(xs), np.concatenate(ys)
-
-    xtr, ytr = part(train)
-    xte, yte = part(test)
-    classes = ()
-    if (d / meta).exists():
-        classes = tuple(str(c) for c in _read_cifar_file(d / meta).get(names_key, ()))
-    return xtr, ytr, xte, yte, classes
-
-
-def _read_mnist(root: Path) -> tuple[np.ndarray, ...]:
-    d = root / "MNIST" / "raw"
-
-    def read(f: str) -> np.ndarray:
-        for p in (d / f, d / (f + ".gz")):
-            if p.exists():
-                return _read_idx(p)
-        raise FileNotFoundError(2, "no such file", str(d / f))
-
-    xtr, ytr, xte, yte = (read(f) for f in MNIST_FILES)
-    for x, y, f in ((xtr, ytr, MNIST_FILES[1]), (xte, yte, MNIST_FILES[3])):
-        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-            raise DatasetUnavailable(f"dataset files in {d} do not match: {f} has {y.shape} labels for images "
-                                     f"{x.shape}; reinstall them")
-    return xtr, ytr, xte, yte, tuple(f"{i}" for i in range(10))
-
-
 def _load_torchvision(name: str):
     """MNIST and CIFAR-10/100 from a data directory in torchvision's layout, read by fedsim itself (torchvision
     is needed only to download them: ``pip install 'fedsim[vision]'``)."""
@@ -252,8 +135,8 @@ def _load_torchvision(name: str):
             for train in (True, False):
                 getattr(tvd, cls_name)(data_dir, train=train, download=True)
         try:
-            xtr, ytr, xte, yte, classes = (_read_mnist if name == "mnist" else
-                                           lambda r: _read_cifar(name, r))(Path(data_dir))
+            xtr, ytr, xte, yte, classes = (read_mnist if name == "mnist" else
+                                           lambda r: read_cifar(name, r))(Path(data_dir))
         except FileNotFoundError as exc:
             raise DatasetUnavailable(
                 f"dataset {name!r}: {cls_name} is not in data.data_dir={data_dir!r} (missing {exc.filename}). "
