@@ -115,7 +115,9 @@ def _load_fmnist(data_dir: str | None, download: bool, root_size: int) -> Datase
 
 
 _TV = {"mnist": ("MNIST", 10), "cifar10": ("CIFAR10", 10), "cifar100": ("CIFAR100", 100)}
-def _load_torchvision(name: str):
+
+
+def _load_torchvision_layout(name: str):
     """MNIST and CIFAR-10/100 from a data directory in torchvision's layout, read by fedsim itself (torchvision
     is needed only to download them: ``pip install 'fedsim[vision]'``)."""
     def load(data_dir: str | None, download: bool, root_size: int) -> Dataset:
@@ -250,10 +252,13 @@ def _register_builtins() -> None:
                                      "(2,000 train / 500 test / 200 public root, 28x28 grey, 10 classes)", _always),
         "fmnist": DatasetEntry(_load_fmnist, "full Fashion-MNIST (60k/10k) from Debian's dataset-fashion-mnist "
                                "or data.data_dir", _fmnist_available),
-        "mnist": DatasetEntry(_load_torchvision("mnist"), "MNIST in torchvision's layout (data.data_dir)", _tv_available("mnist")),
-        "cifar10": DatasetEntry(_load_torchvision("cifar10"), "CIFAR-10 in torchvision's layout (data.data_dir)",
+        "mnist": DatasetEntry(_load_torchvision_layout("mnist"), "MNIST in torchvision's layout (data.data_dir)",
+                              _tv_available("mnist")),
+        "cifar10": DatasetEntry(_load_torchvision_layout("cifar10"),
+                                "CIFAR-10 in torchvision's layout (data.data_dir)",
                                 _tv_available("cifar10")),
-        "cifar100": DatasetEntry(_load_torchvision("cifar100"), "CIFAR-100 in torchvision's layout (data.data_dir)",
+        "cifar100": DatasetEntry(_load_torchvision_layout("cifar100"),
+                                 "CIFAR-100 in torchvision's layout (data.data_dir)",
                                  _tv_available("cifar100")),
         "breast-cancer": DatasetEntry(_load_breast_cancer, "Wisconsin breast cancer, 569 x 30 tabular, 2 classes "
                                       "(scikit-learn)", _always),
