@@ -41,6 +41,14 @@ def read_idx(path: Path) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(dims).copy()
 
 
+def read_idx_in(folder: Path, name: str) -> np.ndarray:
+    """The IDX file ``name`` in ``folder``, plain or as ``name.gz``; FileNotFoundError if neither is there."""
+    for p in (folder / name, folder / (name + ".gz")):
+        if p.exists():
+            return read_idx(p)
+    raise FileNotFoundError(2, "no such file", str(folder / name))
+
+
 #: torchvision's folder layout: (folder, training files, test files, label key, meta file, class-name key)
 CIFAR_LAYOUT = {
     "cifar10": ("cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), ("test_batch",), "labels",
@@ -113,14 +121,7 @@ def read_cifar(name: str, root: Path) -> tuple[np.ndarray, ...]:
 
 def read_mnist(root: Path) -> tuple[np.ndarray, ...]:
     d = root / "MNIST" / "raw"
-
-    def read(f: str) -> np.ndarray:
-        for p in (d / f, d / (f + ".gz")):
-            if p.exists():
-                return read_idx(p)
-        raise FileNotFoundError(2, "no such file", str(d / f))
-
-    xtr, ytr, xte, yte = (read(f) for f in IDX_FILES)
+    xtr, ytr, xte, yte = (read_idx_in(d, f) for f in IDX_FILES)
     for x, y, f in ((xtr, ytr, IDX_FILES[1]), (xte, yte, IDX_FILES[3])):
         if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
             raise DatasetUnavailable(f"dataset files in {d} do not match: {f} has {y.shape} labels for images "
