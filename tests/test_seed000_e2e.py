@@ -146,7 +146,7 @@ def test_paper_fig2_claim(accuracy_runs):
 ATTACK_SETS = ("federation.num_clients=4", "federation.rounds=1", "train.lr=0.1", "train.batch_size=1",
                "train.local_steps=1", 'model.activation="tanh"')
 ATTACK = {"name": ["idlg", "ig"], "rounds": [1], "victims": [0, 1], "seed": 0,
-          "params": {"idlg": {"iterations": 300}, "ig": {"iterations": 1000}}}
+          "params": {"idlg": {"iterations": 300}, "ig": {"iterations": 400}}}
 
 
 def _leakage(tmp_path, label, defenses, attack) -> dict[str, dict]:
@@ -167,7 +167,9 @@ def test_attack_fails_on_lrp_but_succeeds_on_pld_with_fc_muted(tmp_path):
     """Table I / II direction, batch-1 FedSGD round 1 (the paper's worst case), two victims.
     Measured mean SSIM (PSNR): LRP sigma 0.1 -> iDLG 0.071 (5.9 dB), IG 0.239 (10.2 dB; victims 0.18
     and 0.30); PLD (fc pruned 80%) with fc.* muted in the attack -> iDLG 1.000 (98 dB), IG 0.997
-    (45.6 dB). For reference: no defense 1.000 / 0.995, PLD attacked naively 0.944 / 0.975."""
+    (45.6 dB). For reference: no defense 1.000 / 0.995, PLD attacked naively 0.944 / 0.975.
+    IG runs 400 steps: here it has converged by ~100 (2026-11-26, torch 2.14: LRP 0.220 / 0.221 / 0.221
+    and PLD muted 0.998 / 1.000 / 1.000 at 100 / 400 / 1000 steps), so the budget does not decide it."""
     lrp = _leakage(tmp_path, "lrp", [LRP], ATTACK)
     pld_muted = _leakage(tmp_path, "pld-muted", [{"name": "pld", "ratio": 0.8}], _muted(ATTACK, ["fc.*"]))
     for name in ("idlg", "ig"):
