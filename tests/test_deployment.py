@@ -254,8 +254,12 @@ def test_missing_replies_are_recorded_and_the_round_goes_on(small_cfg, tmp_path)
 @pytest.mark.ray
 def test_ray_address_joins_a_head_started_by_the_test(tmp_path):
     """`simulation.ray_address`: fedsim joins an existing Ray cluster (a head on loopback started here)
-    instead of starting its own, and the run gives the same numbers as the in-process backend."""
-    from conftest import make_small_cfg
+    instead of starting its own, and the run gives the same numbers as the in-process backend.
+
+    The joining run is a `fedsim run` subprocess: a process holds one Ray connection, so joining from the
+    test's own process would stop the Ray runtime its other Ray tests share (tests/conftest.py), and the
+    next of them would pay Ray's start-up (~20 s here) again."""
+    from conftest import child_pythonpath, make_small_cfg
 
     ray = BIN / "ray"
     if not ray.exists():
@@ -276,11 +280,15 @@ def test_ray_address_joins_a_head_started_by_the_test(tmp_path):
             _stop(str(ray_tmp), signal.SIGTERM, 30)
         assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         sets = ("federation.num_clients=3", "federation.rounds=2", "output.observers=[]")
-        cfg = make_small_cfg(*sets, "simulation.backend='ray'", f"simulation.ray_address='127.0.0.1:{port}'",
-                             output__dir=str(tmp_path))
-        run_dir = run_experiment(cfg, out=tmp_path / "ray", progress=False)
         ref = make_small_cfg(*sets, "simulation.backend='inprocess'", output__dir=str(tmp_path))
         ref_dir = run_experiment(ref, out=tmp_path / "inprocess", progress=False)
+        run_dir = tmp_path / "ray"  # the same config (as the reference run wrote it), on the cluster
+        joined = subprocess.run([sys.executable, "-m", "fedsim", "run", str(ref_dir / "config.toml"), "--out",
+                                 str(run_dir), "--quiet", "--set", "simulation.backend='ray'",
+                                 "--set", f"simulation.ray_address='127.0.0.1:{port}'"],
+                                env=dict(env, PYTHONPATH=child_pythonpath()), cwd=tmp_path, capture_output=True,
+                                text=True, timeout=900)  # a hang guard, not a time limit
+        assert joined.returncode == 0, joined.stdout[-2000:] + joined.stderr[-3000:]
         got, want = (json.loads((d / "summary.json").read_text()) for d in (run_dir, ref_dir))
         assert got["status"] == "completed" and got["client_failures"] == 0
         assert got["final_accuracy"] == want["final_accuracy"] and got["final_loss"] == pytest.approx(want["final_loss"])
