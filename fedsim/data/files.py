@@ -119,11 +119,16 @@ def read_cifar(name: str, root: Path) -> tuple[np.ndarray, ...]:
     return xtr, ytr, xte, yte, classes
 
 
-def read_mnist(root: Path) -> tuple[np.ndarray, ...]:
-    d = root / "MNIST" / "raw"
-    xtr, ytr, xte, yte = (read_idx_in(d, f) for f in IDX_FILES)
+def read_idx_dataset(folder: Path) -> tuple[np.ndarray, ...]:
+    """The four IDX files of an MNIST-like dataset in ``folder`` (plain or .gz): training images and labels,
+    test images and labels, checked to fit together (images of 2-D, one label 0-9 per image)."""
+    xtr, ytr, xte, yte = (read_idx_in(folder, f) for f in IDX_FILES)
     for x, y, f in ((xtr, ytr, IDX_FILES[1]), (xte, yte, IDX_FILES[3])):
-        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y):
-            raise DatasetUnavailable(f"dataset files in {d} do not match: {f} has {y.shape} labels for images "
-                                     f"{x.shape}; reinstall them")
-    return xtr, ytr, xte, yte, tuple(f"{i}" for i in range(10))
+        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y) or (len(y) and int(y.max()) > 9):
+            raise DatasetUnavailable(f"dataset files in {folder} do not match: {f} has {y.shape} labels "
+                                     f"(max {int(y.max()) if len(y) else '-'}) for images {x.shape}; reinstall them")
+    return xtr, ytr, xte, yte
+
+
+def read_mnist(root: Path) -> tuple[np.ndarray, ...]:
+    return (*read_idx_dataset(root / "MNIST" / "raw"), tuple(f"{i}" for i in range(10)))

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 
-from fedsim.data.files import IDX_FILES, DatasetUnavailable, read_cifar, read_idx_in, read_mnist
+from fedsim.data.files import IDX_FILES, DatasetUnavailable, read_cifar, read_idx_dataset, read_mnist
 
 EMBEDDED = Path(__file__).with_name("fmnist_small.npz")
 DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -99,11 +99,7 @@ def _load_fmnist(data_dir: str | None, download: bool, root_size: int) -> Datase
     d = _find_fmnist(data_dir)
     if d is None:
         raise DatasetUnavailable(_fmnist_hint(data_dir))
-    xtr, ytr, xte, yte = (read_idx_in(d, f) for f in FMNIST_FILES)
-    for x, y, f in ((xtr, ytr, FMNIST_FILES[1]), (xte, yte, FMNIST_FILES[3])):
-        if x.ndim != 3 or y.ndim != 1 or len(x) != len(y) or (len(y) and int(y.max()) > 9):
-            raise DatasetUnavailable(f"dataset files in {d} do not match: {f} has {y.shape} labels "
-                                     f"(max {int(y.max()) if len(y) else '-'}) for images {x.shape}; reinstall them")
+    xtr, ytr, xte, yte = read_idx_dataset(d)
     xtr, ytr, xr, yr = _hold_out_root(xtr, ytr, root_size)
     return Dataset("fmnist", _images(xtr), _labels(ytr), _images(xte), _labels(yte), _images(xr),
                    _labels(yr), 10, class_names=FMNIST_CLASSES)
