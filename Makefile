@@ -59,9 +59,11 @@ bench: $(STAMP)
 
 # Re-publish every experiment at its full scale, seeds 0, 1, 2 (hours on 2 cores: docs/results/README.md);
 # from a clean commit. Interrupted, run it again: each experiment resumes from runs/results/NAME.
+# JOBS=N runs each experiment's in-process runs on N worker processes (the same numbers, sooner).
+JOBS ?= 1
 results: $(STAMP)
 	set -e; for e in $$($(VENV)/bin/fedsim experiment --list | cut -d' ' -f1); do \
-		$(VENV)/bin/fedsim experiment $$e --out runs/results/$$e --publish docs/results; done
+		$(VENV)/bin/fedsim experiment $$e --out runs/results/$$e --publish docs/results --jobs $(JOBS); done
 
 clean:
 	rm -rf runs .pytest_cache

@@ -1,10 +1,18 @@
 """Sweeps: a config plus [[variants]] -> one table."""
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+from conftest import child_pythonpath
 
 from fedsim.app import load_config
 from fedsim.app.sweep import load_sweep, run_sweep
@@ -100,6 +108,72 @@ def test_only_selects_variants_before_the_overrides_apply(tmp_path):
     assert [(label, cfg["defenses"][0]["sigma"]) for label, cfg in variants] == [("noisy", 2.0)]
     with pytest.raises(ConfigError, match="no such variant"):
         load_sweep(p, only=["loud"])
+
+
+def test_jobs_run_the_same_runs_and_a_stopped_pool_resumes(tmp_path):
+    """``--jobs 2``: the runs go to two worker processes, and the results are the sequential sweep's, metric
+    for metric. Ctrl-C (SIGINT to the process group, once a run is past round 2) stops the pool: exit 130,
+    the runs that were running say interrupted and keep their checkpoints, the message gives the command
+    that continues (with ``--jobs 2``). Continued, the runs end as in the sequential sweep."""
+    rounds = 12  # light rounds of 0.1-0.2 s: the signal after round 2 comes with 9 rounds (over a second) to go
+    text = (BASE.replace("rounds = 2", f"rounds = {rounds}").replace("num_clients = 3", "num_clients = 2")
+            + '[[variants]]\nlabel = "plain"\n')
+    p = write(tmp_path, text)
+    out = tmp_path / "pool"
+    cmd = [sys.executable, "-m", "fedsim", "sweep", str(p), "--seeds", "0,1", "--jobs", "2", "--out", str(out)]
+    env = dict(os.environ, PYTHONPATH=child_pythonpath(), OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, start_new_session=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    signalled = threading.Event()
+
+    def watch() -> None:  # signal once a run is past round 2 (this thread, while the reference runs below)
+        deadline = time.monotonic() + 600  # a hang guard, not a speed limit
+        while proc.poll() is None and time.monotonic() < deadline:
+            done = [len((d / "metrics.jsonl").read_text().splitlines()) for d in out.glob("00-plain-seed*")
+                    if (d / "metrics.jsonl").is_file()]
+            if done and max(done) >= 3:  # rounds 0, 1, 2 recorded in one run
+                os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the sweep and its workers
+                signalled.set()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        ref = run_sweep(p, out=tmp_path / "ref", progress=False, seeds=[0, 1])  # while the pool starts
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    watcher.join(60)
+    assert signalled.is_set(), err
+    assert proc.returncode == 130, err
+    assert "sweep: 2 runs on 2 worker processes" in err and "Traceback" not in err
+    hint = re.search(r"continue with: (.*)$", err, re.M)
+    assert hint and "--jobs 2" in hint.group(1) and f"--resume {out}" in hint.group(1), err
+    states = [json.loads((d / "summary.json").read_text())["status"] for d in sorted(out.glob("00-plain-seed*"))
+              if (d / "summary.json").is_file()]  # a run still starting up when stopped may have none
+    assert "interrupted" in states and "completed" not in states, states
+    run_sweep(p, out=out, progress=False, seeds=[0, 1])  # what the hint runs (here: in this process, one by one)
+    timing = {"round_seconds"}
+    rows_ref, rows_pool = read_jsonl(ref / "runs.jsonl"), read_jsonl(out / "runs.jsonl")
+    assert [r["run"] for r in rows_pool] == ["00-plain-seed0", "00-plain-seed1"]
+    assert all(r["status"] == "completed" for r in rows_pool)
+    for a, b in zip(rows_ref, rows_pool):
+        assert {k: v for k, v in a.items() if k not in timing} == {k: v for k, v in b.items() if k not in timing}
+    for name in ("00-plain-seed0", "00-plain-seed1"):
+        wall = {"seconds", "observer_seconds", "train_seconds", "startup_seconds"}
+        ma, mb = read_jsonl(ref / name / "metrics.jsonl"), read_jsonl(out / name / "metrics.jsonl")
+        assert len(ma) == len(mb) == rounds + 1
+        assert [{k: v for k, v in r.items() if k not in wall} for r in ma] == \
+               [{k: v for k, v in r.items() if k not in wall} for r in mb]
+
+
+def test_jobs_must_be_positive(capsys):
+    from fedsim.app.cli import main
+
+    assert main(["sweep", "experiments/defenses.toml", "--jobs", "0"]) == 2
+    assert "--jobs expects a positive number of worker processes, got 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.toml")), ids=lambda p: p.name)

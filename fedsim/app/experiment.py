@@ -227,7 +227,7 @@ def write_results_index(root: Path, current: dict[str, list[str]] | None = None)
     atomic_write_text(root / "README.md", "\n".join(lines) + "\n")
 
 
-def cmd_experiment(args: Any, shortcuts: Sequence[str], seeds: list[int] | None) -> int:
+def cmd_experiment(args: Any, shortcuts: Sequence[str], seeds: list[int] | None, workers: int = 1) -> int:
     from fedsim.app.sweep import run_sweep
     from fedsim.claims import MIN_SEEDS
 
@@ -252,7 +252,7 @@ def cmd_experiment(args: Any, shortcuts: Sequence[str], seeds: list[int] | None)
         raise ConfigError(f"--publish decides the claims over >= {MIN_SEEDS} seeds; --seeds gives {len(seeds)}")
     run_dir = run_sweep(path, [*(args.set or []), *shortcuts], out=out, progress=not args.quiet,
                         only=args.only or [], seeds=seeds, overwrite=args.overwrite, quick=args.quick,
-                        command=["fedsim", "experiment", args.name])
+                        command=["fedsim", "experiment", args.name], workers=workers)
     print(f"[fedsim] experiment {path.stem} results in {run_dir}  (report: {Path(run_dir) / 'report.md'})")
     if args.publish:
         dest = publish(Path(run_dir), Path(args.publish), path.stem, sys.argv[1:])

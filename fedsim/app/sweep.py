@@ -48,10 +48,10 @@ class SweepFailed(RuntimeError):
 
 def resume_command(path: str | Path, out_dir: str | Path, overrides: Sequence[str] = (), only: Sequence[str] = (),
                    seeds: Sequence[int] | None = None, quick: bool = False,
-                   command: Sequence[str] | None = None) -> str:
+                   command: Sequence[str] | None = None, workers: int = 1) -> str:
     """The command that continues an interrupted sweep or experiment in ``out_dir``: ``command`` (default
     ``fedsim sweep PATH``; ``fedsim experiment NAME`` for an experiment) with the same ``--quick``,
-    ``--only``, ``--set`` and ``--seeds``, and ``--resume OUT_DIR``."""
+    ``--only``, ``--set``, ``--seeds`` and ``--jobs``, and ``--resume OUT_DIR``."""
     import shlex
 
     argv = list(command) if command else ["fedsim", "sweep", str(path)]
@@ -63,12 +63,15 @@ def resume_command(path: str | Path, out_dir: str | Path, overrides: Sequence[st
         argv += ["--set", o]
     if seeds is not None:
         argv += ["--seeds", ",".join(str(s) for s in seeds)]
+    if workers > 1:
+        argv += ["--jobs", str(workers)]
     return shlex.join([*argv, "--resume", str(out_dir)])
 
 
 def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path | None = None,
               progress: bool = True, only: Sequence[str] = (), seeds: Sequence[int] | None = None,
-              overwrite: bool = False, quick: bool = False, command: Sequence[str] | None = None) -> Path:
+              overwrite: bool = False, quick: bool = False, command: Sequence[str] | None = None,
+              workers: int = 1) -> Path:
     """Run every variant (once per seed when the file or ``seeds`` gives seeds) into
     ``<out>/<nn>-<label>[-seed<s>]/``. Everything is checked first (configs, data, partitions, the
     variant folders): a bad value anywhere stops the sweep before anything runs. Re-run into the same
@@ -78,11 +81,12 @@ def run_sweep(path: str | Path, overrides: Sequence[str] = (), out: str | Path |
     variant (:func:`load_spec`). ``command`` is how the caller was invoked (``fedsim experiment NAME``),
     for the hint an interruption prints (:func:`resume_command`). The progress line of each run shows
     the runs done of the total and an ETA from the runs that ran here (complete ones are skipped and
-    do not count)."""
+    do not count). ``workers`` > 1 runs the in-process runs on that many worker processes at once
+    (:mod:`fedsim.app.sweep_pool`; the same results), then the Ray runs here one after another."""
     from fedsim.app import ray_runtime
 
     with ray_runtime.shared():  # every variant's run shares Ray and, where their resources match, the actors
-        return _run_sweep(path, overrides, out, progress, only, seeds, overwrite, quick, command)
+        return _run_sweep(path, overrides, out, progress, only, seeds, overwrite, quick, command, workers)
 
 
 def _prestart(cfgs: list[dict[str, Any]]) -> None:
@@ -96,7 +100,7 @@ def _prestart(cfgs: list[dict[str, Any]]) -> None:
 
 def _run_sweep(path: str | Path, overrides: Sequence[str], out: str | Path | None, progress: bool,
                only: Sequence[str], seeds: Sequence[int] | None, overwrite: bool, quick: bool,
-               command: Sequence[str] | None) -> Path:
+               command: Sequence[str] | None, workers: int = 1) -> Path:
     # no torch before its first pass; every run's config is validated, building its components once
     spec = load_spec(path, overrides, only, quick, checked=_prestart, seeds=seeds, runs=True)
     from fedsim.config_checks import check_data
@@ -119,30 +123,54 @@ def _run_sweep(path: str | Path, overrides: Sequence[str], out: str | Path | Non
                 complete.add(d)
         if not (out_dir / "sweep.jsonl").exists():
             write_jsonl(out_dir / "sweep.jsonl", [])  # marks the folder as a sweep's
-        runs: dict[int, list[dict[str, Any]]] = {}
-        run_dirs: dict[int, list[Path]] = {}
+        results: dict[int, tuple[dict[str, Any], list[Path]]] = {}  # job index -> (row, run folders)
+
+        def record(k: int, row: dict[str, Any], dirs: list[Path]) -> None:
+            """Keep job ``k``'s row and rewrite the sweep's outputs from every row so far, in job order."""
+            if jobs[k][3] is not None:
+                row["seed"] = jobs[k][3]
+            results[k] = (row, dirs)
+            runs: dict[int, list[dict[str, Any]]] = {}
+            run_dirs: dict[int, list[Path]] = {}
+            for j in sorted(results):
+                runs.setdefault(jobs[j][0], []).append(results[j][0])
+                run_dirs.setdefault(jobs[j][0], []).extend(results[j][1])
+            write_sweep_outputs(out_dir, base, variants, runs, run_dirs, seeds, spec)
+
         failed: list[str] = []
         t0 = time.perf_counter()
         ran, spent = 0, 0.0  # runs that ran here (not skipped as complete) and their wall time
-        resume_hint = (path, out_dir, overrides, only, given_seeds, quick, command)
+        resume_hint = (path, out_dir, overrides, only, given_seeds, quick, command, workers)
         with prog.suppressed(not progress):
-            for done, (i, label, cfg, seed, job_dir) in enumerate(jobs):
+            if workers > 1:  # the in-process runs on a pool of worker processes first (fedsim.app.sweep_pool)
+                from fedsim.app.sweep_pool import run_pooled
+
+                todo = [k for k, j in enumerate(jobs) if j[4] not in complete and j[2]["simulation"]["backend"] != "ray"]
+                signame = run_pooled(jobs, todo, workers, record, failed, resume_hint, _run_job)
+                if signame is not None:
+                    from fedsim.interrupt import RunInterrupted
+
+                    exc = RunInterrupted(signame)
+                    exc.run_dir = out_dir  # type: ignore[attr-defined]
+                    exc.resume_hint = resume_command(*resume_hint)  # type: ignore[attr-defined]
+                    raise exc
+            for done, (_, label, cfg, seed, job_dir) in enumerate(jobs):
+                if done in results:  # ran on the pool
+                    continue
                 elapsed = time.perf_counter() - t0
                 skip = job_dir in complete
-                to_run = sum(1 for j in jobs[done:] if j[4] not in complete)  # this one included
+                to_run = sum(1 for k, j in enumerate(jobs[done:], done) if j[4] not in complete and k not in results)
                 left = f", ETA {prog.duration(prog.eta(ran, ran + to_run, spent))}" if ran and to_run else ""
                 prog.say(f"sweep {done + 1}/{len(jobs)}: {label}" + (f" (seed {seed})" if seed is not None else "")
                          + ("  (complete: skipped)" if skip else "")
                          + f"  [{done} done in {prog.duration(elapsed)}{left}]")
                 t_job = time.perf_counter()
-                row = _run_job(label, cfg, seed, job_dir, progress, resume_hint, failed, run_dirs.setdefault(i, []),
+                dirs: list[Path] = []
+                row = _run_job(label, cfg, seed, job_dir, progress, resume_hint, failed, dirs,
                                spec.built.pop((label, seed), None))
                 if not skip:
                     ran, spent = ran + 1, spent + time.perf_counter() - t_job
-                if seed is not None:
-                    row["seed"] = seed
-                runs.setdefault(i, []).append(row)
-                write_sweep_outputs(out_dir, base, variants, runs, run_dirs, seeds, spec)
+                record(done, row, dirs)
             prog.say(f"sweep done: {len(jobs)} runs in {prog.duration(time.perf_counter() - t0)}; "
                      f"report {out_dir / 'report.md'}")
         if failed:
