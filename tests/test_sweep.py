@@ -169,6 +169,32 @@ def test_jobs_run_the_same_runs_and_a_stopped_pool_resumes(tmp_path):
                [{k: v for k, v in r.items() if k not in wall} for r in mb]
 
 
+def _job_or_death(label, cfg, seed, job_dir, progress, resume_hint, failed, run_dirs):
+    """A pool job for the test below: seed 1's worker dies as a process killed by the kernel would."""
+    if seed == 1:
+        os._exit(9)
+    run_dirs.append(job_dir)
+    return {"variant": label, "status": "completed", "accuracy": 0.5, "run": job_dir.name}
+
+
+def test_a_worker_that_dies_fails_its_run_with_the_reason(tmp_path):
+    """A worker process that dies (out of memory, killed) fails its run, recorded with the reason; the runs
+    before it keep their rows."""
+    from fedsim.app.sweep_pool import run_pooled
+
+    jobs = [(0, "v", {}, s, tmp_path / f"00-v-seed{s}") for s in (0, 1)]
+    got, failed = {}, []
+    signame = run_pooled(jobs, [0, 1], 1, lambda k, row, dirs: got.__setitem__(k, (row, dirs)), failed, (),
+                         _job_or_death)
+    assert signame is None
+    assert got[0] == ({"variant": "v", "status": "completed", "accuracy": 0.5, "run": "00-v-seed0"},
+                      [tmp_path / "00-v-seed0"])
+    row, dirs = got[1]
+    assert row["status"] == "failed" and row["run"] == "00-v-seed1" and dirs == []
+    assert row["error"].startswith("worker process failed: BrokenProcessPool"), row
+    assert failed == ["v (seed 1)"]
+
+
 def test_jobs_must_be_positive(capsys):
     from fedsim.app.cli import main
 

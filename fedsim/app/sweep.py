@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fedsim import progress as prog
+from fedsim.app.sweep_pool import failed_row, run_pooled
 from fedsim.app.sweep_report import write_sweep_outputs
 from fedsim.app.sweep_spec import SweepSpec, load_spec, load_sweep, run_config, variant_slug
 from fedsim.comparison import run_row
@@ -143,8 +144,6 @@ def _run_sweep(path: str | Path, overrides: Sequence[str], out: str | Path | Non
         resume_hint = (path, out_dir, overrides, only, given_seeds, quick, command, workers)
         with prog.suppressed(not progress):
             if workers > 1:  # the in-process runs on a pool of worker processes first (fedsim.app.sweep_pool)
-                from fedsim.app.sweep_pool import run_pooled
-
                 todo = [k for k, j in enumerate(jobs) if j[4] not in complete and j[2]["simulation"]["backend"] != "ray"]
                 signame = run_pooled(jobs, todo, workers, record, failed, resume_hint, _run_job)
                 if signame is not None:
@@ -236,9 +235,4 @@ def _run_job(label: str, cfg: dict, seed: int | None, job_dir: Path, progress: b
     except (ConfigError, KeyboardInterrupt):
         raise
     except Exception as exc:  # noqa: BLE001 - recorded; the other runs still run
-        failed.append(label if seed is None else f"{label} (seed {seed})")
-        row = {"variant": label, "status": "failed", "accuracy": None, "loss": None,
-               "round_seconds": None, "run": job_dir.name,
-               "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
-        prog.say(f"sweep run {failed[-1]!r} failed: {row['error']}")
-        return row
+        return failed_row(label, seed, job_dir, f"{type(exc).__name__}: {exc}", failed)

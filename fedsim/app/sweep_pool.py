@@ -32,6 +32,15 @@ from fedsim import progress as prog
 Job = tuple[int, str, dict, "int | None", Path]
 
 
+def failed_row(label: str, seed: int | None, job_dir: Path, error: str, failed: list[str]) -> dict[str, Any]:
+    """The table row of a run that failed (``error``: its first line is kept), noted in ``failed`` and said."""
+    failed.append(label if seed is None else f"{label} (seed {seed})")
+    row = {"variant": label, "status": "failed", "accuracy": None, "loss": None, "round_seconds": None,
+           "run": job_dir.name, "error": error.splitlines()[0][:300] if error else ""}
+    prog.say(f"sweep run {failed[-1]!r} failed: {row['error']}")
+    return row
+
+
 def _worker_init() -> None:
     """Between runs a worker ignores SIGINT/SIGTERM (the run's own handler takes them while it runs)."""
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -101,12 +110,9 @@ def run_pooled(jobs: Sequence[Job], todo: Sequence[int], workers: int,
                             other.cancel()
                     continue
                 except Exception as exc:  # noqa: BLE001 - the worker died (killed, out of memory): this run failed
-                    what = label if seed is None else f"{label} (seed {seed})"
-                    row = {"variant": label, "status": "failed", "accuracy": None, "loss": None,
-                           "round_seconds": None, "run": jobs[k][4].name,
-                           "error": f"worker process failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]}
-                    fails, dirs = [what], []
-                    prog.say(f"sweep run {what!r} failed: {row['error']}")
+                    fails, dirs = [], []
+                    row = failed_row(label, seed, jobs[k][4], f"worker process failed: {type(exc).__name__}: {exc}",
+                                     fails)
                 failed.extend(fails)
                 record(k, row, dirs)
                 done += 1
