@@ -218,7 +218,8 @@ def write_results_index(root: Path, current: dict[str, list[str]] | None = None)
              "marked *extension* applies the paper's claim to a setting the paper did not test.\n",
              "**Re-publishing** every experiment at seeds 0, 1, 2: `make results` (per experiment: `fedsim "
              "experiment NAME --out runs/results/NAME --publish docs/results`; re-running it resumes an "
-             "interrupted experiment). Publish from a clean commit: the stamp names it.\n",
+             "interrupted experiment; `make results JOBS=N` / `--jobs N` runs N runs at once, with the same "
+             "numbers). Publish from a clean commit: the stamp names it.\n",
              *([f"{summary}\n"] if summary else []),
              "| experiment | claim | ours (mean ± std over seeds) | interval | seeds | verdict |",
              "|---|---|---|---|---|---|", *rows]
