@@ -11,6 +11,7 @@ Expectation: on N free cores, close to N for runs much longer than a worker's st
 imports torch and fedsim once: 4-8 s); on a machine with other work, less.
 
     python benchmarks/sweep_jobs.py [--experiment seed001-local] [--jobs 2] [--repeats 2] [--seeds 1] [--full]
+        [--set SECTION.KEY=VALUE ...] [--only LABEL ...]
 """
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def invoke(args: argparse.Namespace, jobs: int, out: Path) -> float:
            "--jobs", str(jobs), "--seeds", ",".join(str(s) for s in range(args.seeds))]
     if not args.full:
         cmd.append("--quick")
+    for o in args.set or []:
+        cmd += ["--set", o]
+    for o in args.only or []:
+        cmd += ["--only", o]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     t0 = time.perf_counter()
     subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL)
@@ -52,9 +57,12 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--seeds", type=int, default=1, help="seeds 0..S-1 of every variant")
     ap.add_argument("--full", action="store_true", help="the experiment's full scale instead of --quick")
+    ap.add_argument("--set", action="append", help="a config override for every run (repeatable)")
+    ap.add_argument("--only", action="append", help="only this variant (repeatable)")
     args = ap.parse_args()
     load = os.getloadavg()[0]
-    print(f"{args.experiment} ({'full' if args.full else 'quick'}, {args.seeds} seed(s)), --jobs 1 vs --jobs "
+    print(f"{args.experiment} ({'full' if args.full else 'quick'}, {args.seeds} seed(s), --set {args.set or []}, "
+          f"--only {args.only or []}), --jobs 1 vs --jobs "
           f"{args.jobs}, {args.repeats} pair(s); {os.cpu_count()} cores, load {load:.1f}", flush=True)
     ratios, same = [], True
     with tempfile.TemporaryDirectory(prefix="sweep-jobs-") as tmp:
