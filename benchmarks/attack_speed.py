@@ -43,6 +43,7 @@ reading the clock. The victims' updates are computed on the CPU (the same update
 from __future__ import annotations
 
 import argparse
+import ast
 import time
 from typing import Any
 
@@ -90,6 +91,22 @@ def has_bn(model_key: str) -> bool:
 
 def supports(name: str, model_key: str) -> bool:
     return name not in NEEDS_BN or has_bn(model_key)
+
+
+def parse_sets(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``--set ATTACK.KEY=VALUE`` items as ``{attack: {key: value}}`` (values read as Python literals where they parse)."""
+    params: dict[str, dict[str, Any]] = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        name, _, param = key.partition(".")
+        if not param or not _:
+            raise SystemExit(f"--set needs attack.key=value, got {item!r}")
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            parsed = value
+        params.setdefault(name, {})[param] = parsed
+    return params
 
 
 def victim(model_key: str, batch: int, device: torch.device, start: int = 0, seed: int = 0) -> tuple[
@@ -216,8 +233,6 @@ def main(argv=None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="ATTACK.KEY=VALUE",
                     help="parameters of an attack or of a variant NAME@LABEL listed in --attacks")
     args = ap.parse_args(argv)
-    from attack_strength import parse_sets
-
     sets = parse_sets(args.set)
     torch.set_num_threads(args.threads)
     try:

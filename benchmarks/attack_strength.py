@@ -31,7 +31,6 @@ sharing the machine).
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
@@ -45,7 +44,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attack_speed import floor_seconds  # noqa: E402
+from attack_speed import floor_seconds, parse_sets  # noqa: E402
 
 from attacks import AttackInput, build_attack  # noqa: E402
 from fedsim.data.registry import load_dataset  # noqa: E402
@@ -103,21 +102,6 @@ def round_victims(batch: int, round_seed: int, victims: int, *, lr: float = 0.1,
                           seed=1000 * round_seed + v)
         out.append((inp, x[first], y[first]))
     return out
-
-
-def parse_sets(items: list[str]) -> dict[str, dict[str, Any]]:
-    params: dict[str, dict[str, Any]] = {}
-    for item in items:
-        key, _, value = item.partition("=")
-        name, _, param = key.partition(".")
-        if not param or not _:
-            raise SystemExit(f"--set needs attack.key=value, got {item!r}")
-        try:
-            parsed = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            parsed = value
-        params.setdefault(name, {})[param] = parsed
-    return params
 
 
 def victims_for(batch: int, images: int, min_batches: int) -> int:
