@@ -195,6 +195,29 @@ def test_a_worker_that_dies_fails_its_run_with_the_reason(tmp_path):
     assert failed == ["v (seed 1)"]
 
 
+def _slow_job(label, cfg, seed, job_dir, progress, resume_hint, failed, run_dirs):
+    """A pool job for the test below: a second's work that ignores signals (as a run between safe points)."""
+    time.sleep(1.0)
+    return {"variant": label, "status": "completed", "run": job_dir.name}
+
+
+def test_a_stopped_pool_starts_no_job_it_had_already_queued(tmp_path):
+    """The pool hands a worker its next job before the current one ends; after a stop that job must not
+    start (it once did: a Ctrl-C stopped the running CPL attack, then the worker started the next run)."""
+    from fedsim.app.sweep_pool import run_pooled
+
+    jobs = [(0, "v", {}, s, tmp_path / f"00-v-seed{s}") for s in range(4)]
+    got: dict[int, dict] = {}
+
+    def record(k, row, dirs):
+        got[k] = row
+        if len(got) == 1:  # job 0 done, job 1 running, job 2 waiting in the worker's queue
+            os.kill(os.getpid(), signal.SIGINT)
+
+    assert run_pooled(jobs, [0, 1, 2, 3], 1, record, [], (), _slow_job) == "SIGINT"
+    assert 0 in got and 2 not in got and 3 not in got, sorted(got)
+
+
 def test_jobs_must_be_positive(capsys):
     from fedsim.app.cli import main
 

@@ -11,9 +11,11 @@ Progress: one line per finished run (``sweep k/N done: label (seed s) in 1m20s [
 the wall time so far; the runs' own progress lines are off (N interleaved streams would be unreadable).
 
 Stopping: the first SIGINT or SIGTERM to the sweep is passed on to the workers, whose runs stop at their
-next safe point and write their checkpoints (as a single run does, :mod:`fedsim.interrupt`); runs not yet
-started are not started. Re-running the same command continues: complete runs are skipped, stopped ones
-resume. An idle worker ignores the signal (a terminal's Ctrl-C reaches the whole process group).
+next safe point and write their checkpoints (as a single run does, :mod:`fedsim.interrupt`); a run still
+starting up stops as a sequential sweep's does on Ctrl-C. No run starts after the stop, not even one a
+worker had already taken from the pool's queue (a shared event, checked before each run). Re-running the
+same command continues: complete runs are skipped, stopped ones resume. An idle worker ignores the signal
+(a terminal's Ctrl-C reaches the whole process group).
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fedsim import progress as prog
+from fedsim.interrupt import SIGNALS as _SIGNALS
+from fedsim.interrupt import RunInterrupted
 
 #: (variant index, label, config, seed, run folder): one job of :func:`fedsim.app.sweep._jobs`
 Job = tuple[int, str, dict, "int | None", Path]
@@ -41,21 +45,43 @@ def failed_row(label: str, seed: int | None, job_dir: Path, error: str, failed: 
     return row
 
 
-def _worker_init() -> None:
+_stopped: Any = None  # in a worker: the pool's stop event (set by the sweep when it was asked to stop)
+
+
+def _worker_init(stopped: Any) -> None:
     """Between runs a worker ignores SIGINT/SIGTERM (the run's own handler takes them while it runs)."""
-    for s in (signal.SIGINT, signal.SIGTERM):
+    global _stopped
+    _stopped = stopped
+    for s in _SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     prog.log_to_stderr()
 
 
 def _work(run_job: Callable[..., dict[str, Any]], label: str, cfg: dict, seed: int | None, job_dir: Path,
-          resume_hint: tuple) -> tuple[dict[str, Any], list[str], list[Path]]:
+          resume_hint: tuple) -> tuple[dict[str, Any], list[str], list[Path]] | None:
     """One job in a worker: the row, the failures and the run folder, as the sequential sweep records them
-    (``run_job``: :func:`fedsim.app.sweep._run_job`, passed by reference)."""
-    failed: list[str] = []
-    dirs: list[Path] = []
-    row = run_job(label, cfg, seed, job_dir, False, resume_hint, failed, dirs)
-    return row, failed, dirs
+    (``run_job``: :func:`fedsim.app.sweep._run_job`, passed by reference); None, without starting it, once
+    the sweep was asked to stop (a job already handed to the worker's queue cannot be cancelled)."""
+    if _stopped is not None and _stopped.is_set():
+        return None
+    # until the run installs its own handler (fedsim.interrupt), a stop ends its start-up as a Ctrl-C ends a
+    # sequential sweep's: once (the signal may come twice, from the terminal and from the sweep)
+    for s in _SIGNALS:
+        signal.signal(s, _interrupt)
+    try:
+        failed: list[str] = []
+        dirs: list[Path] = []
+        row = run_job(label, cfg, seed, job_dir, False, resume_hint, failed, dirs)
+        return row, failed, dirs
+    finally:
+        for s in _SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    for s in _SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+    raise RunInterrupted(signal.Signals(signum).name)
 
 
 def run_pooled(jobs: Sequence[Job], todo: Sequence[int], workers: int,
@@ -69,11 +95,14 @@ def run_pooled(jobs: Sequence[Job], todo: Sequence[int], workers: int,
         return None
     ctx = multiprocessing.get_context("spawn")
     stop: dict[str, Any] = {"signame": None}
-    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx, initializer=_worker_init)
+    stopped = ctx.Event()
+    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(todo)), mp_context=ctx, initializer=_worker_init,
+                                  initargs=(stopped,))
 
     def handle(signum: int, frame: Any) -> None:
         if stop["signame"] is not None:
             return
+        stopped.set()  # before the workers hear of it: a job they pick up from now on does not start
         stop["signame"] = signal.Signals(signum).name
         prog.say(f"{stop['signame']}: stopping the running runs at their next safe point; no new run starts")
         for pid in list(getattr(pool, "_processes", {}) or {}):
@@ -83,7 +112,7 @@ def run_pooled(jobs: Sequence[Job], todo: Sequence[int], workers: int,
                 pass
 
     main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    previous = {s: signal.signal(s, handle) for s in _SIGNALS} if main else {}
     t0 = time.perf_counter()
     done = 0
     try:
@@ -102,17 +131,21 @@ def run_pooled(jobs: Sequence[Job], todo: Sequence[int], workers: int,
                     continue
                 _, label, _, seed, _ = jobs[k]
                 try:
-                    row, fails, dirs = f.result()
+                    result = f.result()
                 except KeyboardInterrupt as exc:  # the run was stopped (RunInterrupted): its checkpoint is
                     if stop["signame"] is None:  # written; a worker stopped on its own stops the sweep too
+                        stopped.set()
                         stop["signame"] = getattr(exc, "signame", "SIGINT")
                         for other in pending:
                             other.cancel()
                     continue
                 except Exception as exc:  # noqa: BLE001 - the worker died (killed, out of memory): this run failed
-                    fails, dirs = [], []
-                    row = failed_row(label, seed, jobs[k][4], f"worker process failed: {type(exc).__name__}: {exc}",
-                                     fails)
+                    fails = []
+                    result = (failed_row(label, seed, jobs[k][4], f"worker process failed: {type(exc).__name__}: "
+                                         f"{exc}", fails), fails, [])
+                if result is None:  # handed to a worker before the stop, not started
+                    continue
+                row, fails, dirs = result
                 failed.extend(fails)
                 record(k, row, dirs)
                 done += 1
