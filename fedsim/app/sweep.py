@@ -149,10 +149,7 @@ def _run_sweep(path: str | Path, overrides: Sequence[str], out: str | Path | Non
                 if signame is not None:
                     from fedsim.interrupt import RunInterrupted
 
-                    exc = RunInterrupted(signame)
-                    exc.run_dir = out_dir  # type: ignore[attr-defined]
-                    exc.resume_hint = resume_command(*resume_hint)  # type: ignore[attr-defined]
-                    raise exc
+                    raise _with_resume_hint(RunInterrupted(signame), resume_hint)
             for done, (_, label, cfg, seed, job_dir) in enumerate(jobs):
                 if done in results:  # ran on the pool
                     continue
@@ -215,6 +212,14 @@ def _jobs(variants: Sequence[tuple[str, dict]], seeds: Sequence[int] | None,
     return jobs
 
 
+def _with_resume_hint(exc: BaseException, resume_hint: tuple) -> BaseException:
+    """``exc`` naming the sweep folder and the command that continues it (``resume_hint``: the arguments
+    of :func:`resume_command`), as the CLI prints them."""
+    exc.run_dir = resume_hint[1]  # type: ignore[attr-defined]
+    exc.resume_hint = resume_command(*resume_hint)  # type: ignore[attr-defined]
+    return exc
+
+
 def _run_job(label: str, cfg: dict, seed: int | None, job_dir: Path, progress: bool, resume_hint: tuple,
              failed: list[str], run_dirs: list[Path], components: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run one job and return its table row; a failed run is recorded (in ``failed`` and its row), an
@@ -229,9 +234,7 @@ def _run_job(label: str, cfg: dict, seed: int | None, job_dir: Path, progress: b
         run_dirs.append(run_dir)
         return row
     except RunInterrupted as exc:
-        exc.run_dir = resume_hint[1]  # type: ignore[attr-defined]
-        exc.resume_hint = resume_command(*resume_hint)  # type: ignore[attr-defined]
-        raise
+        raise _with_resume_hint(exc, resume_hint) from None
     except (ConfigError, KeyboardInterrupt):
         raise
     except Exception as exc:  # noqa: BLE001 - recorded; the other runs still run
