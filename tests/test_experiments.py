@@ -532,6 +532,9 @@ def test_rerun_skips_complete_variants_and_publish_writes_the_index(tmp_path, ca
     dest = publish(out, tmp_path / "pub", name, ["experiment", name])
     text = (dest / "report.md").read_text()
     assert "> Command: `fedsim experiment seed004-systematic`" in text and "> Commit:" in text
+    # which machine computed it: results published from a GPU machine and from this CPU say so
+    meta = json.loads((dest / "meta.json").read_text())
+    assert "CPU cores" in meta["machine"] and f"> Machine: {meta['machine']}" in text
     # the variant folders are not published: named as text (relative to the run folder), not linked;
     # the published figures stay linked
     assert "(00-none-b-1/report.md)" in (out / "report.md").read_text()

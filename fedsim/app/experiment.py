@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import re
 import shlex
 import shutil
@@ -94,17 +95,30 @@ def unlink_missing(text: str, folder: Path) -> str:
     return _LINK.sub(sub, text)
 
 
+def machine() -> str:
+    """What computed the results, in words: CPU cores, the torch build, and the GPU when runs use one
+    (``device = auto`` picks CUDA when present), so results published from different machines say so."""
+    import platform
+
+    import torch
+
+    where = f"{os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}"
+    if torch.cuda.is_available():
+        return f"{where}, GPU {torch.cuda.get_device_name(0)} (runs with device = auto use it)"
+    return f"{where}, no GPU"
+
+
 def publish(run_dir: Path, dest_root: Path, name: str, argv: Sequence[str]) -> Path:
     """Copy the experiment's report and figures to ``dest_root/name/`` with command, date and commit
     and rewrite ``dest_root/README.md``."""
     dest = dest_root / name
-    commit = _commit(dest_root)
+    commit, host = _commit(dest_root), machine()
     dest.mkdir(parents=True, exist_ok=True)
     for old in dest.iterdir():
         if old.is_file():
             old.unlink()
     stamp = (f"> Command: `{shlex.join(['fedsim', *argv])}`  \n> Date: "
-             f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}  \n> Commit: {commit}  \n"
+             f"{_dt.datetime.now().strftime('%Y-%m-%d %H:%M')}  \n> Commit: {commit}  \n> Machine: {host}  \n"
              f"> Run folder (not in the repo): `{run_dir}`\n\n")
     for f in ("claims.json", "systematic.json", "sweep.csv"):
         if (run_dir / f).exists():
@@ -115,7 +129,7 @@ def publish(run_dir: Path, dest_root: Path, name: str, argv: Sequence[str]) -> P
     title, _, rest = text.partition("\n")
     atomic_write_text(dest / "report.md", f"{title}\n\n{stamp}{unlink_missing(rest, dest)}")
     meta = {"name": name, "title": title.lstrip("# ").strip(), "command": shlex.join(["fedsim", *argv]),
-            "date": _dt.date.today().isoformat(), "commit": commit}
+            "date": _dt.date.today().isoformat(), "commit": commit, "machine": host}
     atomic_write_text(dest / "meta.json", json.dumps(meta, indent=1))
     write_results_index(dest_root)
     return dest
