@@ -3,6 +3,7 @@
 * Every test session runs with Ray's temp dir (``RAY_TMPDIR``, honoured by Ray 2.55's
   ``get_default_system_temp_dir``) and ``FLWR_HOME`` inside a pytest temp folder, with Ray's
   accelerator-env override off and Flower/Ray logs quiet (:func:`_isolated_env`, autouse).
+* Every test process has fedsim's plugins registered (:func:`_plugins_registered`, autouse).
 * Every Ray simulation of a test process runs on one Ray runtime, started by the first and stopped at
   the end of the session (:func:`_one_ray_runtime`).
 * The test process uses one torch thread (``FEDSIM_TEST_THREADS``, default 1): on a 2-core machine
@@ -97,6 +98,16 @@ def _isolated_env(tmp_path_factory: pytest.TempPathFactory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _plugins_registered():
+    """fedsim's plugins are registered in every test process, as every entry point (CLI, runner, ClientApp)
+    registers them: a test that builds a component directly (a defense pipeline, an attack) does not depend
+    on which test ran before it on its xdist worker (test_defense_leakage.py failed when run alone)."""
+    from fedsim.app import load_plugins
+
+    load_plugins()
 
 
 @pytest.fixture(scope="session", autouse=True)

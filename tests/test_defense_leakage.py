@@ -15,10 +15,10 @@ Checked directions:
 * the same through the ``fedsim attack`` command (config ``[[defenses]]`` -> client -> curious server
   -> scorer -> ``summary.json``);
 * more local iterations on the same batch before sharing (seed 001 Table 9, seed 004 §3.1) lower the
-  attack success rate: measured ASR 4/4, 1/4, 1/4 and mean SSIM 1.00, 0.18, 0.17 for 1, 5, 10 steps.
+  attack success rate: measured ASR 3/3, 0/3, 0/3 and mean SSIM 1.00, 0.04, 0.07 for 1, 5, 10 steps.
 
-Each (case, image) attack runs once per module (cached): 31 attacks of ~1-1.5 s on one core, about
-30 s in all.
+Each (case, image) attack runs once per module (cached): 22 attacks of up to ~3-4 s on one core, about
+80 s in all (three images: with four, 31 attacks, the file cost 2 min of the suite).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ from fedsim.training.recipe import Recipe
 
 DS = load_dataset("fmnist-small")
 SHAPE = DS.in_shape
-IMAGES = (0, 37, 74, 111)  # training-set indices; victim k holds image IMAGES[k] (and seed k)
+IMAGES = (0, 37, 111)  # training-set indices; victim k holds image IMAGES[k] (and seed k)
 LR = 0.1
 ITERATIONS = 300
 SUCCESS_SSIM = 0.5  # ASR_c threshold (the curious server's default)
@@ -110,11 +110,11 @@ def leak():
 
 
 def _fmt(rows: list[dict[str, Any]]) -> str:
-    return ", ".join(f"{r['psnr']:.1f} dB/{r['ssim']:.3f}" for r in rows)
+    return ", ".join(f"{r['psnr']:.1f} dB/{r['ssim']:.3f} ok={r['success']}" for r in rows)
 
 
 def test_undefended_update_leaks(leak):
-    """The control: measured PSNR 72.5, 59.9, 79.8, 39.0 dB (SSIM >= 0.99), labels all right."""
+    """The control: measured PSNR 72.8, 61.8, 74.4 dB (SSIM 1.000), labels all right."""
     rows = leak("none")
     assert all(r["psnr"] > 30 and r["ssim"] > 0.9 for r in rows), _fmt(rows)
     assert all(r["label_acc"] == 1.0 for r in rows)
@@ -125,8 +125,8 @@ def test_undefended_update_leaks(leak):
     ("prune 0.9", lambda m: m["defense.0.prune.sparsity"] == pytest.approx(0.9, abs=1e-3)),
 ], ids=["gaussian-noise", "prune"])
 def test_defense_stops_the_attack(leak, case, check):
-    """Seed 001 Table 8 (G-10e-2) and seed 004's GradPrune at 90%: measured SSIM <= 0.11 everywhere
-    (PSNR 3.6-6.0 dB) while the same images leak without the defense."""
+    """Seed 001 Table 8 (G-10e-2) and seed 004's GradPrune at 90%: measured SSIM <= 0.05 everywhere
+    (PSNR 3.7-4.6 dB) while the same images leak without the defense."""
     assert all(r["psnr"] > 30 for r in leak("none"))
     rows = leak(case)
     assert check(rows[0]["metrics"])  # the defense acted on the update the server saw
@@ -138,11 +138,11 @@ def test_defense_stops_the_attack(leak, case, check):
 def test_compression_with_error_feedback_stops_the_attack(leak):
     """Seed 001 Table 7 at theta = 90% (top-10% with Lin et al.'s residual accumulation). Attacked in
     round 2, when the residual of the client's round-1 update is added before sparsifying. Without
-    compression the same round-2 updates leak: measured PSNR 3.5, 68.1, 81.5, 80.7 dB (victim 0
-    trains the same image in both rounds; after round 1 the model gives it p = 1.0, so its round-2
-    update is below float32 resolution and carries nothing); with compression SSIM <= 0.08."""
+    compression the same round-2 updates leak: measured PSNR 3.4, 67.8, 64.0 dB (victim 0 trains the
+    same image in both rounds; after round 1 the model gives it p = 1.0, so its round-2 update is below
+    float32 resolution and carries nothing); with compression SSIM <= 0.07."""
     control = leak("none, round 2")
-    assert sum(r["psnr"] > 30 for r in control) >= 3, _fmt(control)
+    assert all(r["psnr"] > 30 for r in control[1:]), _fmt(control)
     rows = leak("compress 0.9, round 2")
     m = rows[0]["metrics"]
     assert m["defense.0.compress.sent_fraction"] == pytest.approx(0.1, abs=1e-3)
@@ -152,8 +152,9 @@ def test_compression_with_error_feedback_stops_the_attack(leak):
 
 
 def test_more_local_iterations_lower_the_attack_success(leak):
-    """Seed 001 Table 9: sharing only after M local iterations on the batch. Measured ASR 1.0, 0.25,
-    0.25 and mean SSIM 1.00, 0.18, 0.17 for M = 1, 5, 10 (only image 111 still half-leaks)."""
+    """Seed 001 Table 9: sharing only after M local iterations on the batch. Measured ASR 1.0, 0, 0 and
+    mean SSIM 1.00, 0.04, 0.07 for M = 1, 5, 10 (with four images, image 111 at seed 3 still half-leaked
+    at M = 5 and 10: ASR 0.25)."""
     steps = {1: leak("none"), 5: leak("local steps 5"), 10: leak("local steps 10")}
     asr = {m: float(np.mean([r["success"] for r in rows])) for m, rows in steps.items()}
     ssim = {m: float(np.mean([r["ssim"] for r in rows])) for m, rows in steps.items()}

@@ -251,7 +251,22 @@ def test_missing_replies_are_recorded_and_the_round_goes_on(small_cfg, tmp_path)
     assert set(grid.timeouts) == {7.5}  # the configured timeout reaches the grid
 
 
+def test_ray_address_reaches_rays_init_and_is_named_in_the_progress_line(small_cfg):
+    """The part of `simulation.ray_address` that CI checks (the join itself, below, is `slow`: it starts a
+    Ray head and a `fedsim run` subprocess, 60-120 s): the address becomes ray.init's `address`, and
+    without it fedsim starts its own runtime."""
+    from fedsim.app.ray_runtime import backend_config, starting_line
+
+    own_cfg = small_cfg('simulation.backend="ray"')
+    own = backend_config(own_cfg, gpu_available=False)["init_args"]
+    assert "address" not in own and "joining" not in starting_line(own_cfg, 4)
+    cfg = small_cfg('simulation.backend="ray"', "simulation.ray_address='127.0.0.1:6379'")
+    assert backend_config(cfg, gpu_available=False)["init_args"]["address"] == "127.0.0.1:6379"
+    assert starting_line(cfg, 4).startswith("joining the Ray cluster at 127.0.0.1:6379 for 4 client nodes")
+
+
 @pytest.mark.ray
+@pytest.mark.slow  # 60-120 s on 2 cores; make test-slow / test-all
 def test_ray_address_joins_a_head_started_by_the_test(tmp_path):
     """`simulation.ray_address`: fedsim joins an existing Ray cluster (a head on loopback started here)
     instead of starting its own, and the run gives the same numbers as the in-process backend.

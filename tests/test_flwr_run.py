@@ -67,19 +67,19 @@ def test_flwr_run_runs_fedsim_apps_and_the_superlink_is_stopped(tmp_path):
     env = dict(os.environ, FLWR_HOME=str(home), FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION="1",
                PATH=f"{flwr.parent}{os.pathsep}{os.environ.get('PATH', '')}")
     cmd = [str(flwr), "run", ".", "--run-config",
-           f'overrides="federation.rounds=2;federation.num_clients=4;output.observers=[]" out="{out}"',
-           "--federation-config", "num-supernodes=4 client-resources-num-cpus=1", "--stream"]
+           f'overrides="federation.rounds=2;federation.num_clients=2;output.observers=[]" out="{out}"',
+           "--federation-config", "num-supernodes=2 client-resources-num-cpus=1", "--stream"]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        assert [r["round"] for r in rows] == [0, 1, 2] and all(r["replies"] == 4 for r in rows[1:])
+        assert [r["round"] for r in rows] == [0, 1, 2] and all(r["replies"] == 2 for r in rows[1:])
         summary = json.loads((out / "summary.json").read_text())
-        assert summary["clients"] == 4 and summary["client_failures"] == 0
+        assert summary["clients"] == 2 and summary["client_failures"] == 0
         assert (out / "model.pt").is_file() and (out / "report.md").is_file()
         cfg = tomllib.loads((out / "config.toml").read_text())  # the ;-separated overrides all applied
         assert (cfg["federation"]["rounds"], cfg["federation"]["num_clients"], cfg["output"]["observers"]) == \
-            (2, 4, [])
+            (2, 2, [])
         assert _superlinks(home), "the SuperLink flwr run started is running (detached)"
     finally:
         for pid in _superlinks(home):
