@@ -59,6 +59,7 @@ def test_flwr_run_config_path_resolution(tmp_path):
 
 
 @pytest.mark.ray
+@pytest.mark.slow  # 55-85 s on 2 cores; `flwr run` itself stays in CI through the deployment test (test_deployment.py)
 def test_flwr_run_runs_fedsim_apps_and_the_superlink_is_stopped(tmp_path):
     flwr = Path(sys.executable).with_name("flwr")
     if not flwr.exists() or shutil.which("flower-superlink", path=str(flwr.parent)) is None:
