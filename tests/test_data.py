@@ -237,6 +237,30 @@ def test_faces_shapes():
     assert set(ds.y_train.unique().tolist()) == {0, 1}
 
 
+def test_digits_are_scikit_learns_digits_at_mnists_size():
+    from skimage.transform import resize
+    from sklearn.datasets import load_digits
+
+    ds = load_dataset("digits")
+    assert ds.kind == "image" and ds.num_classes == 10 and ds.in_shape == (1, 28, 28)
+    assert len(ds.y_train) + len(ds.y_test) + len(ds.y_root) == 1797
+    assert float(ds.x_train.min()) >= 0 and float(ds.x_train.max()) <= 1
+    assert set(ds.y_train.unique().tolist()) == set(range(10))
+    # MNIST's layout: a blank 4-pixel frame around a 20x20 box, and the box is the 8x8 source digit upscaled:
+    # shrunk back, every test image is nearest to a source digit with its own label
+    frame = torch.ones(28, 28, dtype=torch.bool)
+    frame[4:24, 4:24] = False
+    assert float(ds.x_train[:, 0][:, frame].abs().max()) == 0.0
+    assert float(ds.x_train[:, 0, 4:24, 4:24].amax(dim=(1, 2)).min()) > 0.5  # every box holds a digit
+    src = load_digits()
+    back = np.stack([resize(im[0, 4:24, 4:24].numpy(), (8, 8), order=1, anti_aliasing=True) for im in ds.x_test])
+    orig = src.images / 16.0
+    dist = ((back[:, None] - orig[None]) ** 2).reshape(len(back), len(orig), -1).mean(-1)  # (test, all sources)
+    assert (src.target[dist.argmin(1)] == ds.y_test.numpy()).mean() > 0.99
+    # the public root set is held out from the training images
+    assert not any(torch.equal(r, t) for r in ds.x_root[:20] for t in ds.x_train)
+
+
 def test_unknown_dataset_names_key():
     with pytest.raises(ValueError, match="data.dataset"):
         load_dataset("nope")

@@ -172,6 +172,26 @@ def _load_faces(data_dir: str | None, download: bool, root_size: int) -> Dataset
                    _labels(yr), 2, class_names=("non-face", "face"))
 
 
+DIGITS_BOX, DIGITS_SIZE = 20, 28  # MNIST's layout: a digit size-normalised into 20x20, centred in 28x28
+
+
+def _load_digits(data_dir: str | None, download: bool, root_size: int) -> Dataset:
+    """scikit-learn's handwritten digits (1,797 images of 8x8 pixels, 17 grey levels) laid out as MNIST's:
+    upscaled bilinearly to 20x20 and centred in a blank 28x28 frame, offline. Blurrier than MNIST (the 8x8
+    source), so the LeNets take them as they are."""
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    small = torch.from_numpy(bunch.images.astype(np.float32) / 16.0).unsqueeze(1)
+    box = torch.nn.functional.interpolate(small, size=(DIGITS_BOX, DIGITS_BOX), mode="bilinear", align_corners=False)
+    margin = (DIGITS_SIZE - DIGITS_BOX) // 2
+    box = box.squeeze(1).mul(255).round().clamp(0, 255).to(torch.uint8).numpy()
+    x = np.pad(box, ((0, 0), (margin, margin), (margin, margin)))
+    xtr, ytr, xte, yte, xr, yr = _split_tabular(x, bunch.target, 0.2, min(root_size, 100))
+    return Dataset("digits", _images(xtr), _labels(ytr), _images(xte), _labels(yte), _images(xr), _labels(yr), 10,
+                   class_names=tuple(str(c) for c in range(10)))
+
+
 # ---- seed 003 §4.3.1: the synthetic two-source 2-D task (FedBoosting's decision-boundary study)
 # Binary labels; each source draws each class from a Gaussian of its own (mean, standard deviation):
 # source 0 (wide) lies on the left with the classes above and below each other, source 1 (tight) on the
@@ -253,6 +273,8 @@ def _register_builtins() -> None:
                                  _tv_available("cifar100")),
         "breast-cancer": DatasetEntry(_load_breast_cancer, "Wisconsin breast cancer, 569 x 30 tabular, 2 classes "
                                       "(scikit-learn)", _always),
+        "digits": DatasetEntry(_load_digits, "scikit-learn's handwritten digits: 1,797 8x8 images upscaled to "
+                               "20x20 in a blank 28x28 frame (MNIST's layout), grey, 10 classes", _always),
         "faces": DatasetEntry(_load_faces, "scikit-image LFW subset: 200 25x25 grey crops, face / non-face",
                               _always),
         "synthetic-2d": DatasetEntry(_load_synthetic_2d, "seed 003 §4.3.1: 2-D points from Gaussians, 2 classes, "
