@@ -177,8 +177,8 @@ DIGITS_BOX, DIGITS_SIZE = 20, 28  # MNIST's layout: a digit size-normalised into
 
 def _load_digits(data_dir: str | None, download: bool, root_size: int) -> Dataset:
     """scikit-learn's handwritten digits (1,797 images of 8x8 pixels, 17 grey levels) laid out as MNIST's:
-    upscaled bilinearly to 20x20 and centred in a blank 28x28 frame, offline. Blurrier than MNIST (the 8x8
-    source), so the LeNets take them as they are."""
+    upscaled bilinearly to 20x20 and centred in a blank 28x28 frame, offline; at MNIST's size the LeNets take
+    them as they are. Blurrier than MNIST (the 8x8 source)."""
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
